@@ -1,0 +1,36 @@
+"""Hybrid softmax / linear attention operators of NAtS-L.
+
+The public operators take a ``backend`` (``"auto"``, ``"reference"``, ``"triton"``).
+The plain baselines and the token-by-token oracles come from :mod:`.reference`.
+"""
+
+from .ops import BACKENDS, hybrid_gated_delta_rule, hybrid_softmax_attention, resolve_backend
+from .reference import (
+    CHUNK_SIZES,
+    LINEAR,
+    SOFTMAX,
+    causal_softmax_attention,
+    causal_softmax_attention_recurrent,
+    gated_delta_rule,
+    gated_delta_rule_recurrent,
+    hybrid_gated_delta_rule_recurrent,
+    hybrid_softmax_attention_recurrent,
+    num_chunks,
+)
+
+__all__ = [
+    "BACKENDS",
+    "CHUNK_SIZES",
+    "LINEAR",
+    "SOFTMAX",
+    "causal_softmax_attention",
+    "causal_softmax_attention_recurrent",
+    "gated_delta_rule",
+    "gated_delta_rule_recurrent",
+    "hybrid_gated_delta_rule",
+    "hybrid_gated_delta_rule_recurrent",
+    "hybrid_softmax_attention",
+    "hybrid_softmax_attention_recurrent",
+    "num_chunks",
+    "resolve_backend",
+]

@@ -1,0 +1,53 @@
+"""Public hybrid operators: one signature, a ``backend`` that picks the implementation.
+
+``"auto"`` takes the Triton kernels for CUDA tensors and the plain PyTorch reference
+otherwise; ``"reference"`` and ``"triton"`` force one.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from . import reference
+from .reference.chunks import RouteGrad
+
+Backend = Literal["auto", "reference", "triton"]
+BACKENDS = ("auto", "reference", "triton")
+
+
+def resolve_backend(backend: Backend, x: torch.Tensor) -> str:
+    """The implementation ``backend`` means for tensors on ``x``'s device."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if x.is_cuda else "reference"
+    return backend
+
+
+def _triton():
+    from . import triton as triton_ops  # imported lazily: Triton is optional on the CPU path
+
+    return triton_ops
+
+
+def hybrid_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             routes: torch.Tensor, chunk_size: int, scale: float | None = None,
+                             *, route_grad: RouteGrad = "selected",
+                             backend: Backend = "auto") -> torch.Tensor:
+    """Softmax branch of NAtS-L; see :func:`reference.hybrid_softmax_attention`."""
+    impl = _triton() if resolve_backend(backend, q) == "triton" else reference
+    return impl.hybrid_softmax_attention(q, k, v, routes, chunk_size, scale, route_grad=route_grad)
+
+
+def hybrid_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                            beta: torch.Tensor, routes: torch.Tensor, chunk_size: int,
+                            scale: float | None = None, initial_state: torch.Tensor | None = None,
+                            output_final_state: bool = False, *,
+                            route_grad: RouteGrad = "selected", backend: Backend = "auto",
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Linear branch of NAtS-L; see :func:`reference.hybrid_gated_delta_rule`."""
+    impl = _triton() if resolve_backend(backend, q) == "triton" else reference
+    return impl.hybrid_gated_delta_rule(q, k, v, g, beta, routes, chunk_size, scale,
+                                        initial_state, output_final_state, route_grad=route_grad)

@@ -1,0 +1,120 @@
+"""Linear side of NAtS-L: the chunked gated delta rule with routes (plain PyTorch).
+
+Per token, with the state ``S`` of shape ``[Dk, Dv]``:
+``S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T`` and ``o_t = scale * S_t^T q_t``.
+
+Chunk form (one routing chunk at a time, the WY/UT transform within it): with the
+within-chunk cumulative log gate ``G``, ``Gamma_t = exp(G_t)`` and the chunk-start state
+``S_c``, the rows ``W_t = b_t (v_t - a_t S_{t-1}^T k_t)`` solve
+``(I + A) W = diag(b) V - diag(b Gamma) K S_c`` with
+``A_ts = b_t exp(G_t - G_s) k_t.k_s`` for ``s < t``. Then
+
+* ``o_t = scale (Gamma_t S_c^T q_t + sum_{s<=t} exp(G_t - G_s) (q_t.k_s) W_s)``
+* ``S_{c+1} = Gamma_L S_c + z[c, LA] * sum_s exp(G_L - G_s) k_s W_s^T``
+
+so every chunk decays the carried state, and only the write is weighted by the route.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .chunks import (
+    LINEAR,
+    RouteGrad,
+    check_chunk_size,
+    check_routes,
+    compute_dtype,
+    num_chunks,
+    route_weight,
+)
+
+
+def hybrid_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                            beta: torch.Tensor, routes: torch.Tensor, chunk_size: int,
+                            scale: float | None = None, initial_state: torch.Tensor | None = None,
+                            output_final_state: bool = False, *,
+                            route_grad: RouteGrad = "selected",
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Linear branch of NAtS-L.
+
+    q, k ``[B, T, H, Dk]`` (L2-normalised by the caller), v ``[B, T, H, Dv]``, g
+    ``[B, T, H]`` log decay (<= 0), beta ``[B, T, H]``, routes ``[B, N, H, 2]`` one-hot
+    (index 1 = linear), state ``[B, H, Dk, Dv]`` (float32). Returns ``(o, final_state)``;
+    the final state is the one carried past the last chunk, after its route.
+    Only ``routes[..., 1]`` receives a gradient.
+    """
+    batch, seq_len, heads, d_k = _check_inputs(q, k, v, g, beta, initial_state)
+    check_chunk_size(chunk_size)
+    check_routes(routes, batch, seq_len, chunk_size, heads)
+    d_v = v.shape[-1]
+    scale = d_k**-0.5 if scale is None else scale
+    dt = compute_dtype(q)
+    n, c = num_chunks(seq_len, chunk_size), chunk_size
+
+    def chunked(x: torch.Tensor) -> torch.Tensor:
+        # [B, T, H, ...] -> [B, H, N, C, ...], zero-padded at the end. Padding has g = 0
+        # and beta = 0: it neither decays nor writes, so the final state is unchanged.
+        x = x.to(dt)
+        pad = [0, 0] * (x.dim() - 2) + [0, n * c - seq_len]
+        x = F.pad(x, pad).movedim(2, 1)
+        return x.reshape(batch, heads, n, c, *x.shape[3:])
+
+    q, k, v, g, beta = chunked(q * scale), chunked(k), chunked(v), chunked(g), chunked(beta)
+    gc = g.cumsum(-1)
+    incl = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    strict = incl.tril(-1)
+    decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(~incl, float("-inf")).exp()
+    a = (beta[..., :, None] * decay * (k @ k.transpose(-1, -2))).masked_fill(~strict, 0)
+    eye = torch.eye(c, dtype=dt, device=q.device)
+    t_inv = torch.linalg.solve_triangular(eye + a, eye.expand_as(a), upper=False,
+                                          unitriangular=True)
+    u = t_inv @ (beta[..., None] * v)
+    w = t_inv @ ((beta * gc.exp())[..., None] * k)
+    qk = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * gc.exp()[..., None]
+    k_to_end = k * (gc[..., -1:] - gc).exp()[..., None]
+    z = route_weight(routes[..., LINEAR], route_grad).to(dt).permute(0, 2, 1)  # [B, H, N]
+
+    state = (torch.zeros(batch, heads, d_k, d_v, dtype=dt, device=q.device)
+             if initial_state is None else initial_state.to(dt))
+    outs = []
+    for i in range(n):
+        w_rows = u[:, :, i] - w[:, :, i] @ state
+        outs.append(q_decayed[:, :, i] @ state + qk[:, :, i] @ w_rows)
+        write = k_to_end[:, :, i].transpose(-1, -2) @ w_rows
+        state = gc[:, :, i, -1, None, None].exp() * state + z[:, :, i, None, None] * write
+    o = torch.stack(outs, 2).reshape(batch, heads, n * c, d_v)[:, :, :seq_len].transpose(1, 2)
+    return o.to(v.dtype), state if output_final_state else None
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, scale: float | None = None,
+                     initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+                     chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Plain chunked gated delta rule (every chunk writes): the Gated DeltaNet baseline."""
+    batch, seq_len, heads, _ = q.shape
+    routes = torch.zeros(batch, num_chunks(seq_len, chunk_size), heads, 2, dtype=q.dtype,
+                         device=q.device)
+    routes[..., LINEAR] = 1
+    return hybrid_gated_delta_rule(q, k, v, g, beta, routes, chunk_size, scale, initial_state,
+                                   output_final_state)
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                  beta: torch.Tensor, initial_state: torch.Tensor | None,
+                  ) -> tuple[int, int, int, int]:
+    if q.dim() != 4 or q.shape != k.shape:
+        raise ValueError(f"q and k must both be [B, T, H, Dk]; got {list(q.shape)} and "
+                         f"{list(k.shape)}")
+    batch, seq_len, heads, d_k = q.shape
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must be [B, T, H, Dv] matching q {list(q.shape)}; got {list(v.shape)}")
+    for name, x in (("g", g), ("beta", beta)):
+        if x.shape != q.shape[:3]:
+            raise ValueError(f"{name} must be [B, T, H] = {list(q.shape[:3])}, got {list(x.shape)}")
+    if initial_state is not None and initial_state.shape != (batch, heads, d_k, v.shape[-1]):
+        raise ValueError(f"initial_state must be [B, H, Dk, Dv] = "
+                         f"{[batch, heads, d_k, v.shape[-1]]}, got {list(initial_state.shape)}")
+    return batch, seq_len, heads, d_k

@@ -1,0 +1,1 @@
+"""NAtS-L: token-level hybrid attention search."""
