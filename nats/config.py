@@ -1,0 +1,124 @@
+"""`NatsConfig`: the one typed, validated description of a model.
+
+Every field is checked at construction so that a bad value fails at once with a
+message naming the field and what it may be, long before a shape error deep inside
+a forward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from nats.kernels.reference.chunks import CHUNK_SIZES
+
+LAYER_TYPES = ("nats", "gdn", "softmax")
+SAMPLERS = ("argmax", "gumbel")
+
+
+class ConfigError(ValueError):
+    """A configuration value is outside what the field allows."""
+
+
+@dataclass(frozen=True)
+class NatsConfig:
+    """Architecture of a NAtS-L language model (or of its plain baselines).
+
+    ``n_heads`` routing heads each own one linear head of width ``head_dim_k`` /
+    ``head_dim_v`` and ``softmax_heads_per_head`` softmax heads that split those
+    channels (NATSL.md). ``layer_types`` gives each layer's mixer.
+    """
+
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 2
+    softmax_heads_per_head: int = 2
+    head_dim_k: int = 64
+    head_dim_v: int = 64
+    chunk_size: int = 32
+    layer_types: tuple[str, ...] = ("nats", "nats")
+    sampler: str = "argmax"
+    gumbel_tau: float = 1.0
+    reg_lambda: float = 0.0
+    mlp_ratio: float = 4.0
+    norm_eps: float = 1e-6
+    conv_size: int = 4
+    rope: bool = False
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = True
+    initializer_range: float = 0.02
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "softmax_heads_per_head",
+                     "head_dim_k", "head_dim_v", "conv_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                _fail(name, value, "a positive integer")
+        for name in ("gumbel_tau", "mlp_ratio", "norm_eps", "rope_theta", "initializer_range"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 \
+                    or not math.isfinite(value):
+                _fail(name, value, "a positive finite number")
+        if not isinstance(self.reg_lambda, (int, float)) or not 0 <= self.reg_lambda < math.inf:
+            _fail("reg_lambda", self.reg_lambda, "a finite number >= 0")
+        if self.chunk_size not in CHUNK_SIZES:
+            _fail("chunk_size", self.chunk_size, f"one of {CHUNK_SIZES}")
+        if self.sampler not in SAMPLERS:
+            _fail("sampler", self.sampler, f"one of {SAMPLERS}")
+        from nats.kernels.ops import BACKENDS
+
+        if self.backend not in BACKENDS:
+            _fail("backend", self.backend, f"one of {BACKENDS}")
+        if len(self.layer_types) != self.n_layers:
+            _fail("layer_types", list(self.layer_types),
+                  f"a list of n_layers={self.n_layers} entries from {LAYER_TYPES}")
+        for kind in self.layer_types:
+            if kind not in LAYER_TYPES:
+                _fail("layer_types", list(self.layer_types), f"entries from {LAYER_TYPES}")
+        r = self.softmax_heads_per_head
+        for name in ("head_dim_k", "head_dim_v"):
+            if getattr(self, name) % r:
+                _fail(name, getattr(self, name),
+                      f"a multiple of softmax_heads_per_head={r} (softmax heads split it)")
+        if self.rope and (self.head_dim_k // r) % 2:
+            _fail("rope", self.rope, "False when the softmax head width head_dim_k / "
+                  "softmax_heads_per_head is odd (rotary pairs channels)")
+
+    @property
+    def softmax_head_dim_k(self) -> int:
+        return self.head_dim_k // self.softmax_heads_per_head
+
+    @property
+    def softmax_head_dim_v(self) -> int:
+        return self.head_dim_v // self.softmax_heads_per_head
+
+    @property
+    def mlp_hidden(self) -> int:
+        """SwiGLU width, rounded up to a multiple of 8."""
+        return 8 * math.ceil(self.mlp_ratio * self.d_model / 8)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["layer_types"] = list(self.layer_types)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> NatsConfig:
+        """Build from a JSON-like dict; unknown keys are an error, not silently dropped."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown NatsConfig field(s) {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+    def replace(self, **changes: Any) -> NatsConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _fail(name: str, value: Any, allowed: str) -> None:
+    raise ConfigError(f"NatsConfig.{name} = {value!r} is invalid: must be {allowed}")

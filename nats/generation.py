@@ -1,0 +1,56 @@
+"""Greedy and sampled generation on top of the hybrid inference cache."""
+
+from __future__ import annotations
+
+import torch
+
+from .model import NatsForCausalLM
+
+
+def pick_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int | None,
+              generator: torch.Generator | None) -> torch.Tensor:
+    """The next token ``[B]`` from logits ``[B, V]``: argmax, or a (top-k) sample."""
+    if not do_sample:
+        return logits.argmax(-1)
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+    logits = logits.float() / temperature
+    if top_k is not None:
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        kth = logits.topk(min(top_k, logits.shape[-1]), -1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[:, 0]
+
+
+@torch.no_grad()
+def generate(model: NatsForCausalLM, input_ids: torch.Tensor, max_new_tokens: int,
+             do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+             generator: torch.Generator | None = None,
+             eos_token_id: int | None = None) -> torch.Tensor:
+    """Prefill the prompt once, then decode token by token against the cache.
+
+    Returns ``[B, T + n]``; generation stops early once every row has produced
+    ``eos_token_id``. Routing is deterministic (argmax) unless the model is training.
+    """
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be a non-empty [B, T] tensor, got "
+                         f"{list(input_ids.shape)}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    tokens = [input_ids]
+    if max_new_tokens == 0:
+        return input_ids
+    logits, cache = model.prefill(input_ids)
+    finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    next_token = pick_next(logits[:, -1], do_sample, temperature, top_k, generator)
+    for i in range(max_new_tokens):
+        if eos_token_id is not None:
+            next_token = next_token.masked_fill(finished, eos_token_id)
+            finished |= next_token == eos_token_id
+        tokens.append(next_token[:, None])
+        if i + 1 == max_new_tokens or bool(finished.all()):
+            break
+        next_token = pick_next(model.decode_step(next_token, cache), do_sample, temperature,
+                               top_k, generator)
+    return torch.cat(tokens, 1)

@@ -1,0 +1,245 @@
+"""The NAtS-L supernet layer (NATSL.md): shared projections, a chunk scorer, both branches.
+
+Each finished chunk is routed, per routing head, to softmax attention (its keys stay
+in the KV cache) or to the gated delta rule (it is folded into the state); every query
+sees its own chunk through both. The two branch outputs are merged per token and
+softmax head by learned weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nats.cache import NatsLayerCache
+from nats.config import NatsConfig
+from nats.kernels import SOFTMAX, hybrid_gated_delta_rule, hybrid_softmax_attention
+from nats.kernels.decode import gated_delta_rule_step, hybrid_attention_decode
+
+from .gated_deltanet import DeltaGates, all_linear_routes
+from .norms import RMSNorm, l2_norm, rms_norm, upcast
+from .projections import GatedOutput, QKVProjection
+from .rotary import apply_rotary
+from .routing import (
+    ChunkScorer,
+    RouteOverride,
+    chunk_mean_pool,
+    forced_routes,
+    sample_routes,
+    softmax_fraction,
+)
+
+
+@dataclass
+class LayerRouting:
+    """What one forward of a NAtS-L layer decided.
+
+    ``routes`` ``[B, N, H, 2]`` (one-hot, straight-through), ``probs`` the scorer's
+    probabilities, ``attn_frac`` ``[H]`` the softmax fraction per head and ``reg`` the
+    cost regulariser ``lambda * mean(probs[..., softmax])``.
+    """
+
+    routes: torch.Tensor
+    probs: torch.Tensor
+    attn_frac: torch.Tensor
+    reg: torch.Tensor
+
+
+class NatsAttention(nn.Module):
+    """Token-level hybrid attention with learned chunk routing."""
+
+    def __init__(self, cfg: NatsConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, r = cfg.n_heads, cfg.softmax_heads_per_head
+        self.qkv = QKVProjection(cfg.d_model, (h * cfg.head_dim_k, h * cfg.head_dim_k,
+                                               h * cfg.head_dim_v), cfg.conv_size)
+        self.q_norm = RMSNorm(cfg.softmax_head_dim_k, cfg.norm_eps)
+        self.k_norm = RMSNorm(cfg.softmax_head_dim_k, cfg.norm_eps)
+        self.gates = DeltaGates(cfg.d_model, h)
+        self.scorer = ChunkScorer(cfg.d_model, h)
+        self.mix = nn.Linear(h * cfg.head_dim_k, 2 * h * r, bias=False)
+        self.out = GatedOutput(cfg.d_model, h * r, cfg.softmax_head_dim_v)
+        self.route_override: RouteOverride = None
+
+    # -- pieces shared by the parallel form and decoding ---------------------------------
+
+    def _softmax_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       positions: torch.Tensor):
+        cfg = self.cfg
+        shape = (*q.shape[:2], cfg.n_heads * cfg.softmax_heads_per_head, -1)
+        qs, ks = self.q_norm(q.view(shape)), self.k_norm(k.view(shape))
+        if cfg.rope:
+            qs, ks = apply_rotary(qs, positions, cfg.rope_theta), apply_rotary(ks, positions,
+                                                                                cfg.rope_theta)
+        return qs, ks, v.view(shape)
+
+    def _linear_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        shape = (*q.shape[:2], self.cfg.n_heads, -1)
+        return l2_norm(q.view(shape)), l2_norm(k.view(shape)), v.view(shape)
+
+    def _route(self, pooled: torch.Tensor, first_chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routes and scorer probabilities for chunks ``first_chunk ..`` from pooled inputs."""
+        logits = self.scorer(pooled)
+        probs = F.softmax(logits, -1)
+        if self.route_override is None:
+            routes = sample_routes(logits, self.cfg.sampler, self.cfg.gumbel_tau, self.training)
+        else:
+            routes = forced_routes(self.route_override, pooled.shape[0], first_chunk,
+                                   pooled.shape[1], self.cfg.n_heads, pooled.device)
+        return routes, probs
+
+    def _merge(self, q: torch.Tensor, o_la: torch.Tensor, o_sm: torch.Tensor,
+               x: torch.Tensor) -> torch.Tensor:
+        """``(w_LA RMSNorm(o_LA) + w_SM RMSNorm(o_SM)) * gamma * SiLU(W_g x)``, then ``W_o``."""
+        heads = self.cfg.n_heads * self.cfg.softmax_heads_per_head
+        w = F.softmax(upcast(self.mix(q).view(*q.shape[:2], heads, 2)), -1)
+        o_la = o_la.reshape(*o_sm.shape)
+        eps = self.cfg.norm_eps
+        y = w[..., :1] * upcast(rms_norm(o_la, eps)) + w[..., 1:] * upcast(rms_norm(o_sm, eps))
+        return self.out(y, x)
+
+    # -- parallel form ---------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, LayerRouting]:
+        y, routing, _ = self._parallel(x, self.qkv(x), cache_conv=None)
+        return y, routing
+
+    def prefill(self, x: torch.Tensor) -> tuple[torch.Tensor, LayerRouting, NatsLayerCache]:
+        qkv, conv = self.qkv.prefill(x)
+        return self._parallel(x, qkv, cache_conv=conv)
+
+    def _parallel(self, x: torch.Tensor, qkv: tuple[torch.Tensor, ...],
+                  cache_conv: torch.Tensor | None):
+        cfg, c = self.cfg, self.cfg.chunk_size
+        seq_len = x.shape[1]
+        q, k, v = qkv
+        routes, probs = self._route(chunk_mean_pool(x, c), 0)
+        qs, ks, vs = self._softmax_heads(q, k, v, torch.arange(seq_len, device=x.device))
+        ql, kl, vl = self._linear_heads(q, k, v)
+        g, beta = self.gates(x)
+        o_sm = hybrid_softmax_attention(qs, ks, vs, routes, c, backend=cfg.backend)
+        if cache_conv is None:
+            o_la, _ = hybrid_gated_delta_rule(ql, kl, vl, g, beta, routes, c, backend=cfg.backend)
+            cache = None
+        else:
+            o_la, state, snapshot = self._prefill_linear(ql, kl, vl, g, beta, routes)
+            done = seq_len // c * c
+            store_k, store_v, store_chunks = self._pack_store(ks, vs, routes, seq_len // c)
+            cache = NatsLayerCache(
+                conv=cache_conv, state=state, snapshot=snapshot,
+                chunk_log_decay=g[:, done:].sum(1), chunk_k=ks[:, done:], chunk_v=vs[:, done:],
+                pool_sum=upcast(x[:, done:]).sum(1), store_k=store_k, store_v=store_v,
+                store_chunks=store_chunks)
+        routing = LayerRouting(routes=routes, probs=probs, attn_frac=softmax_fraction(routes),
+                               reg=cfg.reg_lambda * probs[..., SOFTMAX].mean())
+        return self._merge(q, o_la, o_sm, x), routing, cache
+
+    # -- prefill: the cache after a prompt -------------------------------------------------
+
+    def _prefill_linear(self, q, k, v, g, beta, routes):
+        """Linear branch split at the last chunk boundary: ``(o, state, snapshot)``.
+
+        Complete chunks run with their routes; the unfinished tail runs on from their
+        final state (the snapshot) as if it wrote: its route is known only once it ends.
+        """
+        c, backend = self.cfg.chunk_size, self.cfg.backend
+        batch, seq_len, heads, d_k = q.shape
+        split = seq_len // c * c
+        snapshot = torch.zeros(batch, heads, d_k, v.shape[-1], device=q.device)
+        outs = []
+        if split:
+            o, snapshot = hybrid_gated_delta_rule(
+                q[:, :split], k[:, :split], v[:, :split], g[:, :split], beta[:, :split],
+                routes[:, : split // c], c, initial_state=snapshot, output_final_state=True,
+                backend=backend)
+            outs.append(o)
+        state = snapshot
+        if split < seq_len:
+            tail = slice(split, seq_len)
+            o, state = hybrid_gated_delta_rule(
+                q[:, tail], k[:, tail], v[:, tail], g[:, tail], beta[:, tail],
+                all_linear_routes(batch, seq_len - split, c, heads, q.device), c,
+                initial_state=snapshot, output_final_state=True, backend=backend)
+            outs.append(o)
+        return torch.cat(outs, 1), state, snapshot
+
+    def _pack_store(self, ks: torch.Tensor, vs: torch.Tensor, routes: torch.Tensor, done: int):
+        """Keys/values of the ``done`` finished softmax chunks, packed in order per head.
+
+        Returns ``store_k, store_v`` ``[B, H, M, C, r, D]`` and the real slot counts
+        ``[B, H]``; slots past a head's count hold stale data that decoding never reads.
+        """
+        c, h, r = self.cfg.chunk_size, self.cfg.n_heads, self.cfg.softmax_heads_per_head
+        batch = ks.shape[0]
+        if done == 0:
+            counts = torch.zeros(batch, h, dtype=torch.long, device=ks.device)
+            return (ks.new_zeros(batch, h, 1, c, r, ks.shape[-1]),
+                    vs.new_zeros(batch, h, 1, c, r, vs.shape[-1]), counts)
+        is_sm = routes[:, :done, :, SOFTMAX] > 0.5  # [B, done, H]
+        counts = is_sm.sum(1)
+        slots = max(int(counts.max()), 1)
+        # Softmax chunks first, each group in chunk order: a stable sort on "is linear".
+        order = torch.sort((~is_sm).int(), dim=1, stable=True).indices[:, :slots]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            d = t.shape[-1]
+            chunks = t[:, : done * c].reshape(batch, done, c, h, r, d).permute(0, 3, 1, 2, 4, 5)
+            idx = order.permute(0, 2, 1)[..., None, None, None].expand(-1, -1, -1, c, r, d)
+            return torch.gather(chunks, 2, idx)
+
+        return pack(ks), pack(vs), counts
+
+    # -- decoding one token ----------------------------------------------------------------
+
+    def step(self, x: torch.Tensor, cache: NatsLayerCache, position: int) -> torch.Tensor:
+        """One token ``x`` ``[B, 1, D]`` at ``position``; updates ``cache`` in place."""
+        cfg = self.cfg
+        (q, k, v), cache.conv = self.qkv.step(x, cache.conv)
+        qs, ks, vs = self._softmax_heads(q, k, v, torch.tensor([position], device=x.device))
+        ql, kl, vl = self._linear_heads(q, k, v)
+        g, beta = self.gates(x)
+        o_la, cache.state = gated_delta_rule_step(cache.state, ql[:, 0], kl[:, 0], vl[:, 0],
+                                                  g[:, 0], beta[:, 0], cfg.head_dim_k**-0.5)
+        cache.chunk_log_decay = cache.chunk_log_decay + g[:, 0]
+        cache.chunk_k, cache.chunk_v = torch.cat([cache.chunk_k, ks], 1), torch.cat(
+            [cache.chunk_v, vs], 1)
+        cache.pool_sum = cache.pool_sum + upcast(x[:, 0])
+        o_sm = hybrid_attention_decode(qs[:, 0], cache.store_k, cache.store_v, cache.store_chunks,
+                                       cache.chunk_k, cache.chunk_v, cfg.softmax_head_dim_k**-0.5)
+        y = self._merge(q, o_la[:, None], o_sm[:, None], x)
+        if (position + 1) % cfg.chunk_size == 0:
+            self._close_chunk(cache, position // cfg.chunk_size)
+        return y
+
+    def _close_chunk(self, cache: NatsLayerCache, chunk: int) -> None:
+        """Score the finished chunk; SM keeps its keys and restores the decayed snapshot."""
+        pooled = (cache.pool_sum / self.cfg.chunk_size).to(self.scorer.proj.weight.dtype)
+        routes, _ = self._route(pooled[:, None], chunk)
+        is_sm = routes[:, 0, :, SOFTMAX] > 0.5  # [B, H]
+        decayed = cache.snapshot * cache.chunk_log_decay.exp()[..., None, None]
+        cache.state = torch.where(is_sm[..., None, None], decayed, cache.state)
+        cache.snapshot = cache.state
+        self._append_chunk(cache, is_sm)
+        cache.chunk_k, cache.chunk_v = cache.chunk_k[:, :0], cache.chunk_v[:, :0]
+        cache.pool_sum = torch.zeros_like(cache.pool_sum)
+        cache.chunk_log_decay = torch.zeros_like(cache.chunk_log_decay)
+
+    def _append_chunk(self, cache: NatsLayerCache, is_sm: torch.Tensor) -> None:
+        batch, h, slots, c, r, _ = cache.store_k.shape
+        if int((cache.store_chunks + is_sm).max()) > slots:  # grow geometrically
+            grow = [0, 0] * 3 + [0, slots]
+            cache.store_k, cache.store_v = F.pad(cache.store_k, grow), F.pad(cache.store_v, grow)
+            slots *= 2
+        target = (torch.arange(slots, device=is_sm.device) == cache.store_chunks[..., None])
+        target = (target & is_sm[..., None])[..., None, None, None]  # [B, H, M, 1, 1, 1]
+
+        def chunk_of(t: torch.Tensor) -> torch.Tensor:  # [B, C, H*r, D] -> [B, H, 1, C, r, D]
+            return t.view(batch, c, h, r, t.shape[-1]).permute(0, 2, 1, 3, 4)[:, :, None]
+
+        cache.store_k = torch.where(target, chunk_of(cache.chunk_k), cache.store_k)
+        cache.store_v = torch.where(target, chunk_of(cache.chunk_v), cache.store_v)
+        cache.store_chunks = cache.store_chunks + is_sm.long()

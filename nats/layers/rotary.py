@@ -1,0 +1,21 @@
+"""Rotary position embedding (half-split layout) at explicit positions."""
+
+from __future__ import annotations
+
+import torch
+
+from .norms import upcast
+
+
+def apply_rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate ``x`` ``[B, T, heads, D]`` by the angles of ``positions`` ``[T]``.
+
+    Positions are explicit so that a decode step at position ``p`` matches the
+    parallel form exactly.
+    """
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    angles = positions.float()[:, None] * inv_freq[None, :]  # [T, half]
+    cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+    x1, x2 = upcast(x)[..., :half], upcast(x)[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)

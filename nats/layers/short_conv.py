@@ -1,0 +1,37 @@
+"""Causal depthwise short convolution with SiLU, and its one-token decode step."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ShortConvolution(nn.Module):
+    """``SiLU(depthwise_causal_conv(x))`` over ``[B, T, channels]``.
+
+    The decode state is the last ``kernel_size - 1`` inputs, so a step sees exactly the
+    window the parallel form sees.
+    """
+
+    def __init__(self, channels: int, kernel_size: int) -> None:
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.conv1d(F.pad(x.transpose(1, 2), (self.kernel_size - 1, 0)), self.weight,
+                     groups=self.weight.shape[0])
+        return F.silu(y.transpose(1, 2))
+
+    def tail(self, x: torch.Tensor) -> torch.Tensor:
+        """The decode state after ``x``: its last ``kernel_size - 1`` inputs, zero-padded."""
+        window = self.kernel_size - 1
+        return F.pad(x, (0, 0, max(window - x.shape[1], 0), 0))[:, -window:] if window else x[:, :0]
+
+    def step(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token ``x`` ``[B, 1, C]`` against ``state`` ``[B, K-1, C]``."""
+        window = torch.cat([state, x], 1)  # [B, K, C]
+        y = torch.einsum("bkc,ck->bc", window, self.weight[:, 0]).unsqueeze(1)
+        return F.silu(y), window[:, 1:]

@@ -1,0 +1,57 @@
+"""Plain causal softmax attention: the all-softmax baseline layer."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nats.cache import SoftmaxLayerCache
+from nats.config import NatsConfig
+from nats.kernels.decode import decode_attention
+
+from .norms import RMSNorm
+from .rotary import apply_rotary
+
+
+class SoftmaxAttention(nn.Module):
+    """Causal attention with q/k RMSNorm and optional rotary embedding.
+
+    It has the channel budget of a NAtS-L layer: ``n_heads * r`` heads of width
+    ``head_dim_k / r`` (values ``head_dim_v / r``).
+    """
+
+    def __init__(self, cfg: NatsConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.heads = cfg.n_heads * cfg.softmax_heads_per_head
+        dk, dv = cfg.softmax_head_dim_k, cfg.softmax_head_dim_v
+        self.dims = (self.heads * dk, self.heads * dk, self.heads * dv)
+        self.qkv = nn.Linear(cfg.d_model, sum(self.dims), bias=False)
+        self.q_norm, self.k_norm = RMSNorm(dk, cfg.norm_eps), RMSNorm(dk, cfg.norm_eps)
+        self.out = nn.Linear(self.heads * dv, cfg.d_model, bias=False)
+
+    def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
+        q, k, v = self.qkv(x).split(self.dims, -1)
+        shape = (*x.shape[:2], self.heads, -1)
+        q, k = self.q_norm(q.view(shape)), self.k_norm(k.view(shape))
+        if self.cfg.rope:
+            q = apply_rotary(q, positions, self.cfg.rope_theta)
+            k = apply_rotary(k, positions, self.cfg.rope_theta)
+        return q, k, v.view(shape)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return self.prefill(x)[0], None
+
+    def prefill(self, x: torch.Tensor) -> tuple[torch.Tensor, None, SoftmaxLayerCache]:
+        q, k, v = self._qkv(x, torch.arange(x.shape[1], device=x.device))
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True)
+        return self.out(o.transpose(1, 2).flatten(2)), None, SoftmaxLayerCache(k=k, v=v)
+
+    def step(self, x: torch.Tensor, cache: SoftmaxLayerCache, position: int) -> torch.Tensor:
+        q, k, v = self._qkv(x, torch.tensor([position], device=x.device))
+        cache.k, cache.v = torch.cat([cache.k, k], 1), torch.cat([cache.v, v], 1)
+        o = decode_attention(q[:, 0], cache.k.transpose(1, 2), cache.v.transpose(1, 2),
+                             q.shape[-1] ** -0.5)
+        return self.out(o.flatten(1)[:, None].to(x.dtype))

@@ -1,0 +1,188 @@
+"""`NatsForCausalLM`: pre-norm blocks of a mixer (NAtS-L, Gated DeltaNet or softmax) and a
+SwiGLU MLP, with save/load through safetensors and cached decoding."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .cache import HybridCache
+from .config import NatsConfig
+from .layers.gated_deltanet import GatedDeltaNet
+from .layers.nats_attention import LayerRouting, NatsAttention
+from .layers.norms import RMSNorm
+from .layers.routing import RouteOverride
+from .layers.softmax_attention import SoftmaxAttention
+
+MIXERS = {"nats": NatsAttention, "gdn": GatedDeltaNet, "softmax": SoftmaxAttention}
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+IGNORE_INDEX = -100
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(d_model, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, -1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """``x + mixer(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, cfg: NatsConfig, kind: str) -> None:
+        super().__init__()
+        self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer = MIXERS[kind](cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, LayerRouting | None]:
+        y, routing = self.mixer(self.mixer_norm(x))
+        x = x + y
+        return x + self.mlp(self.mlp_norm(x)), routing
+
+    def prefill(self, x: torch.Tensor):
+        y, routing, cache = self.mixer.prefill(self.mixer_norm(x))
+        x = x + y
+        return x + self.mlp(self.mlp_norm(x)), routing, cache
+
+    def step(self, x: torch.Tensor, cache, position: int) -> torch.Tensor:
+        x = x + self.mixer.step(self.mixer_norm(x), cache, position)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+@dataclass
+class CausalLMOutput:
+    """Logits, losses and, per layer, the routes taken (``None`` for non-NAtS layers)."""
+
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+    ce_loss: torch.Tensor | None = None
+    reg_loss: torch.Tensor | None = None
+    routes: list[torch.Tensor | None] = field(default_factory=list)
+    attn_frac: list[torch.Tensor | None] = field(default_factory=list)
+    probs: list[torch.Tensor | None] = field(default_factory=list)
+
+
+class NatsForCausalLM(nn.Module):
+    """A causal language model whose mixers are NAtS-L supernet layers or baselines."""
+
+    def __init__(self, config: NatsConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config, kind) for kind in config.layer_types)
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.apply(self._init_weights)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=self.config.initializer_range)
+
+    @property
+    def nats_layers(self) -> list[NatsAttention]:
+        return [b.mixer for b in self.blocks if isinstance(b.mixer, NatsAttention)]
+
+    def set_route_override(self, override: RouteOverride) -> None:
+        """Force the routes of every NAtS-L layer (analysis, baselines); ``None`` undoes it."""
+        for layer in self.nats_layers:
+            layer.route_override = override
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                ) -> CausalLMOutput:
+        """Logits for every position; with ``labels`` (same shape, shifted inside, -100
+        ignored) also ``loss = cross-entropy + mean over NAtS layers of the cost term``."""
+        x = self.embed(input_ids)
+        routings = []
+        for block in self.blocks:
+            x, routing = block(x)
+            routings.append(routing)
+        return self._output(self.lm_head(self.norm(x)), routings, labels)
+
+    def _output(self, logits: torch.Tensor, routings: list[LayerRouting | None],
+                labels: torch.Tensor | None) -> CausalLMOutput:
+        out = CausalLMOutput(
+            logits=logits,
+            routes=[r.routes if r else None for r in routings],
+            attn_frac=[r.attn_frac if r else None for r in routings],
+            probs=[r.probs if r else None for r in routings])
+        regs = [r.reg for r in routings if r is not None]
+        out.reg_loss = torch.stack(regs).mean() if regs else logits.new_zeros(())
+        if labels is not None:
+            out.ce_loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
+                                          labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX)
+            out.loss = out.ce_loss + out.reg_loss
+        return out
+
+    # -- cached decoding ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, HybridCache]:
+        """Logits of the prompt and the cache that decoding continues from."""
+        x = self.embed(input_ids)
+        caches = []
+        for block in self.blocks:
+            x, _, cache = block.prefill(x)
+            caches.append(cache)
+        return self.lm_head(self.norm(x)), HybridCache(layers=caches, position=input_ids.shape[1])
+
+    @torch.no_grad()
+    def decode_step(self, token: torch.Tensor, cache: HybridCache) -> torch.Tensor:
+        """Logits ``[B, V]`` for one new token ``[B]``; advances ``cache``."""
+        x = self.embed(token[:, None])
+        for block, layer_cache in zip(self.blocks, cache.layers, strict=True):
+            x = block.step(x, layer_cache, cache.position)
+        cache.position += 1
+        return self.lm_head(self.norm(x))[:, 0]
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **sampling) -> torch.Tensor:
+        """Prompt followed by ``max_new_tokens`` tokens; see :func:`nats.generation.generate`."""
+        from .generation import generate
+
+        return generate(self, input_ids, max_new_tokens, **sampling)
+
+    # -- persistence ----------------------------------------------------------------------
+
+    def save_pretrained(self, directory: str | os.PathLike) -> None:
+        """Write ``config.json`` and ``model.safetensors``, each atomically."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / (CONFIG_FILE + ".tmp")
+        tmp.write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
+        os.replace(tmp, directory / CONFIG_FILE)
+        # Tied weights share storage, which safetensors refuses: store the embedding once.
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()
+                 if not (self.config.tie_embeddings and k == "lm_head.weight")}
+        tmp = directory / (WEIGHTS_FILE + ".tmp")
+        save_file(state, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, directory / WEIGHTS_FILE)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike,
+                        device: str | torch.device = "cpu") -> NatsForCausalLM:
+        """Restore a model written by :meth:`save_pretrained` (no pickle is loaded)."""
+        directory = Path(directory)
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            if not (directory / name).is_file():
+                raise FileNotFoundError(f"{directory} is not a saved nats model: no {name}")
+        config = NatsConfig.from_dict(json.loads((directory / CONFIG_FILE).read_text()))
+        model = cls(config)
+        state = load_file(str(directory / WEIGHTS_FILE), device=str(device))
+        if config.tie_embeddings and "embed.weight" in state:
+            state["lm_head.weight"] = state["embed.weight"]
+        model.load_state_dict(state)
+        return model.to(device)
