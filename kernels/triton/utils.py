@@ -1,0 +1,88 @@
+"""Helpers shared by the Triton kernels: interpreter detection, launch configs, chunk maps.
+
+Everything here runs as torch ops on the tensors' device and never reads a value back
+to the host, so building a chunk map costs no synchronisation.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+"""True when Triton runs kernels on the CPU (``TRITON_INTERPRET=1``), decided at import."""
+
+POISON_OUTPUTS = False
+"""Tests set this to fill every kernel output with NaN first, so unwritten elements show."""
+
+
+def autotune_configs(configs: list[triton.Config], interpreted: triton.Config,
+                     ) -> list[triton.Config]:
+    """``configs`` on the GPU; only ``interpreted`` under the interpreter (which cannot tune)."""
+    return [interpreted] if INTERPRET else configs
+
+
+def empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An output buffer every element of which a kernel must write (NaN when poisoning)."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    return out.fill_(float("nan")) if POISON_OUTPUTS else out
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+class ChunkMap(NamedTuple):
+    """Where each routing chunk lives in a packed ``[1, T_total, ...]`` batch.
+
+    ``cu_seqlens`` ``[S+1]`` token offsets of the sequences, ``chunk_offsets`` ``[S+1]``
+    their first global chunk, ``chunk_seq`` ``[N_total]`` the sequence of every chunk.
+    A dense batch ``[B, T]`` is the packed batch of ``B`` sequences of length ``T``.
+    """
+
+    cu_seqlens: torch.Tensor
+    chunk_offsets: torch.Tensor
+    chunk_seq: torch.Tensor
+
+
+def chunk_map(batch: int, seq_len: int, n_chunks: int, chunk_size: int, device: torch.device,
+              cu_seqlens: torch.Tensor | None = None) -> ChunkMap:
+    """The :class:`ChunkMap` of a dense batch, or of the packed sequences of ``cu_seqlens``.
+
+    ``n_chunks`` is the total number of chunks (``routes.shape[1]`` times ``batch``).
+    """
+    i32 = dict(dtype=torch.int32, device=device)
+    if cu_seqlens is None:
+        per_seq = n_chunks // batch
+        steps = torch.arange(batch + 1, **i32)
+        return ChunkMap(steps * seq_len, steps * per_seq,
+                        torch.arange(n_chunks, **i32) // per_seq)
+    cu = cu_seqlens.to(**i32)
+    per_seq = (cu[1:] - cu[:-1] + chunk_size - 1) // chunk_size
+    offsets = torch.nn.functional.pad(per_seq.cumsum(0, dtype=torch.int32), (1, 0))
+    seq = torch.searchsorted(offsets[1:], torch.arange(n_chunks, **i32), right=True)
+    return ChunkMap(cu, offsets, seq.clamp_(max=len(cu) - 2).to(torch.int32))
+
+
+def token_chunks(cmap: ChunkMap, total_len: int, chunk_size: int) -> torch.Tensor:
+    """Global chunk index of every token of the packed batch, ``[T_total]`` int64."""
+    tokens = torch.arange(total_len, dtype=torch.int32, device=cmap.cu_seqlens.device)
+    seq = torch.searchsorted(cmap.cu_seqlens[1:], tokens, right=True)
+    return (cmap.chunk_offsets[seq] + (tokens - cmap.cu_seqlens[seq]) // chunk_size).long()
+
+
+def check_varlen(cu_seqlens: torch.Tensor, batch: int, total_len: int, n_chunks: int,
+                 chunk_size: int) -> None:
+    """Shape checks on packed sequences that need no look at their values (no host sync)."""
+    if batch != 1:
+        raise ValueError(f"cu_seqlens needs a packed batch with B == 1, got B={batch}")
+    if cu_seqlens.dim() != 1 or len(cu_seqlens) < 2:
+        raise ValueError(f"cu_seqlens must be 1-D [n_seq+1], got {list(cu_seqlens.shape)}")
+    n_seq = len(cu_seqlens) - 1
+    least = -(-total_len // chunk_size)
+    if not least <= n_chunks <= least + n_seq - 1:
+        raise ValueError(f"routes has {n_chunks} chunks; {n_seq} sequences of {total_len} "
+                         f"tokens in chunks of {chunk_size} need {least} to {least + n_seq - 1}")
