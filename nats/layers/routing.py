@@ -1,7 +1,7 @@
 """The chunk scorer, the samplers that turn its logits into routes, and forced routes.
 
 Routes are ``[B, N, H, 2]`` one-hot tensors (index 0 = softmax, 1 = linear). A sampled
-route is ``onehot + s - stopgrad(s)``: exactly one-hot in value, with the gradient of
+route is ``onehot + (s - stopgrad(s))``: exactly one-hot in value, with the gradient of
 the probabilities ``s`` (straight-through).
 """
 
@@ -48,9 +48,10 @@ class ChunkScorer(nn.Module):
 
 
 def straight_through(probs: torch.Tensor) -> torch.Tensor:
-    """One-hot of the argmax in value, gradient of ``probs``."""
+    """One-hot of the argmax in value (exactly: ``probs - probs.detach()`` is 0), gradient
+    of ``probs``."""
     hard = F.one_hot(probs.argmax(-1), 2).to(probs.dtype)
-    return hard + probs - probs.detach()
+    return hard + (probs - probs.detach())
 
 
 def sample_routes(logits: torch.Tensor, sampler: str, tau: float, training: bool,

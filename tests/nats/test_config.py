@@ -1,0 +1,43 @@
+"""NatsConfig: validation names the field and the allowed values; dict round trip."""
+
+import pytest
+
+from nats import ConfigError, NatsConfig
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"chunk_size": 48}, r"NatsConfig\.chunk_size = 48 .*one of \(16, 32, 64, 128, 256\)"),
+        ({"sampler": "topk"}, r"NatsConfig\.sampler = 'topk' .*one of \('argmax', 'gumbel'\)"),
+        ({"d_model": 0}, r"NatsConfig\.d_model = 0 .*positive integer"),
+        ({"n_heads": 2.5}, r"NatsConfig\.n_heads = 2\.5 .*positive integer"),
+        ({"reg_lambda": -1.0}, r"NatsConfig\.reg_lambda = -1\.0 .*>= 0"),
+        ({"norm_eps": float("nan")}, r"NatsConfig\.norm_eps = nan .*positive finite"),
+        ({"layer_types": ("nats", "mamba")}, r"NatsConfig\.layer_types .*'nats', 'gdn', 'softmax'"),
+        ({"layer_types": ("nats",)}, r"NatsConfig\.layer_types .*n_layers=2 entries"),
+        ({"head_dim_k": 30, "softmax_heads_per_head": 4},
+         r"NatsConfig\.head_dim_k = 30 .*multiple of softmax_heads_per_head=4"),
+        ({"backend": "cuda"}, r"NatsConfig\.backend = 'cuda' .*'auto', 'reference', 'triton'"),
+        ({"rope": True, "head_dim_k": 6, "head_dim_v": 6, "softmax_heads_per_head": 2},
+         r"NatsConfig\.rope = True .*odd"),
+    ],
+)
+def test_bad_values_name_the_field_and_allowed_values(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        NatsConfig(**changes)
+
+
+def test_dict_round_trip_and_unknown_keys():
+    cfg = NatsConfig(layer_types=["gdn", "nats"], chunk_size=64, reg_lambda=0.1)
+    assert cfg.layer_types == ("gdn", "nats")
+    assert NatsConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ConfigError, match=r"unknown NatsConfig field\(s\) \['n_layer'\]"):
+        NatsConfig.from_dict({**cfg.to_dict(), "n_layer": 3})
+
+
+def test_derived_sizes():
+    cfg = NatsConfig(d_model=100, mlp_ratio=2.5, head_dim_k=64, head_dim_v=32,
+                     softmax_heads_per_head=4)
+    assert (cfg.softmax_head_dim_k, cfg.softmax_head_dim_v) == (16, 8)
+    assert cfg.mlp_hidden == 256  # 250 rounded up to a multiple of 8

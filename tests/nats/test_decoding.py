@@ -1,0 +1,85 @@
+"""Prefill followed by token-by-token decoding equals the parallel forward (NATSL.md)."""
+
+import pytest
+import torch
+
+from .models import rel_err, tiny_model
+
+LAYER_MIXES = [("nats", "nats"), ("gdn", "gdn"), ("softmax", "softmax"), ("nats", "gdn", "softmax")]
+
+
+def decode_logits(model, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    logits, cache = model.prefill(ids[:, :prompt_len])
+    steps = [model.decode_step(ids[:, t], cache)[:, None] for t in range(prompt_len, ids.shape[1])]
+    assert cache.position == ids.shape[1]
+    return torch.cat([logits, *steps], 1)
+
+
+@pytest.mark.parametrize("layer_types", LAYER_MIXES, ids="-".join)
+@pytest.mark.parametrize(("seq_len", "prompt_len"), [(45, 20), (48, 16), (37, 1), (70, 33)])
+def test_prefill_then_decode_equals_parallel_forward(layer_types, seq_len, prompt_len):
+    model = tiny_model(layer_types, rope=True)
+    ids = torch.randint(0, 50, (3, seq_len), generator=torch.Generator().manual_seed(seq_len))
+    full = model(ids).logits
+    assert rel_err(decode_logits(model, ids, prompt_len), full) < 1e-12
+
+
+@pytest.mark.parametrize("override", ["softmax", "linear", 0.25])
+def test_decoding_follows_forced_routes(override):
+    model = tiny_model(("nats", "nats"))
+    model.set_route_override(override)
+    ids = torch.randint(0, 50, (2, 67), generator=torch.Generator().manual_seed(1))
+    assert rel_err(decode_logits(model, ids, 10), model(ids).logits) < 1e-12
+
+
+def test_float32_decode_within_rounding():
+    model = tiny_model(("nats", "gdn"), dtype=torch.float32)
+    ids = torch.randint(0, 50, (2, 50), generator=torch.Generator().manual_seed(2))
+    assert rel_err(decode_logits(model, ids, 7), model(ids).logits) < 1e-4
+
+
+def test_kv_cache_holds_only_softmax_chunks():
+    """KV memory follows the softmax fraction: 16 finished chunks, a quarter softmax."""
+    model = tiny_model(("nats",))
+    ids = torch.randint(0, 50, (1, 16 * 16), generator=torch.Generator().manual_seed(3))
+    sizes, softmax_chunks = {}, {"softmax": 16, 0.25: 4, "linear": 0}
+    for override in softmax_chunks:
+        model.set_route_override(override)
+        _, cache = model.prefill(ids)
+        layer = cache.layers[0]
+        sizes[override] = layer.kv_bytes()
+        assert layer.store_chunks.tolist() == [[softmax_chunks[override]] * 2]
+    # keys and values: 2 routing heads x chunks x 16 tokens x 2 x 8 channels x (k + v) x 8 bytes
+    per_chunk = 2 * 16 * 2 * 8 * 2 * 8
+    assert sizes == {"softmax": 16 * per_chunk, 0.25: 4 * per_chunk, "linear": 0}
+
+
+def test_greedy_generate_equals_repeated_full_forward():
+    model = tiny_model(("nats", "gdn", "softmax"))
+    prompt = torch.randint(0, 50, (2, 13), generator=torch.Generator().manual_seed(4))
+    out = model.generate(prompt, max_new_tokens=25)
+    expected = prompt
+    for _ in range(25):  # the slow, obvious way: rerun the whole sequence each time
+        expected = torch.cat([expected, model(expected).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, expected)
+
+
+def test_sampling_is_reproducible_and_respects_top_k():
+    model = tiny_model(("nats",))
+    prompt = torch.randint(0, 50, (4, 5), generator=torch.Generator().manual_seed(5))
+
+    def sample(seed: int, top_k: int | None) -> torch.Tensor:
+        return model.generate(prompt, 20, do_sample=True, top_k=top_k,
+                              generator=torch.Generator().manual_seed(seed))
+
+    assert torch.equal(sample(0, None), sample(0, None))
+    assert not torch.equal(sample(0, None), sample(1, None))
+    assert torch.equal(sample(7, 1), model.generate(prompt, 20))  # top-1 sampling is greedy
+
+
+def test_generate_rejects_bad_arguments():
+    model = tiny_model(("nats",))
+    with pytest.raises(ValueError, match="non-empty"):
+        model.generate(torch.zeros(1, 0, dtype=torch.long), 3)
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate(torch.zeros(1, 2, dtype=torch.long), 3, do_sample=True, temperature=0.0)

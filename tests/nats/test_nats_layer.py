@@ -1,0 +1,117 @@
+"""The NAtS-L layer: routes, samplers, forced routes, cost term, causality, merge."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nats.kernels import hybrid_gated_delta_rule, hybrid_softmax_attention
+from nats.layers.norms import l2_norm, rms_norm
+from nats.layers.routing import chunk_mean_pool, forced_routes, sample_routes
+
+from .models import rel_err, tiny_model
+
+
+def nats_layer(**overrides):
+    return tiny_model(("nats",), **overrides).nats_layers[0]
+
+
+def test_layer_matches_its_definition_written_out():
+    """Recompute one layer from NATSL.md's formulas with the reference operators."""
+    layer = nats_layer()
+    x = torch.randn(2, 45, 32, dtype=torch.float64)
+    y, routing = layer(x)
+    cfg = layer.cfg
+    h, r, dk = cfg.n_heads, cfg.softmax_heads_per_head, cfg.head_dim_k
+    proj = layer.qkv.proj(x)
+    conv = F.conv1d(F.pad(proj.transpose(1, 2), (3, 0)), layer.qkv.conv.weight,
+                    groups=proj.shape[-1])
+    q, k, v = F.silu(conv.transpose(1, 2)).split([h * dk, h * dk, h * cfg.head_dim_v], -1)
+    logits = layer.scorer.proj(torch.stack([x[:, i:i + 16].mean(1) for i in range(0, 45, 16)], 1))
+    routes = F.one_hot(logits.view(2, 3, h, 2).argmax(-1), 2).double()
+    assert torch.equal(routing.routes, routes)
+    sm = lambda t: t.reshape(2, 45, h * r, -1)  # noqa: E731
+    o_sm = hybrid_softmax_attention(layer.q_norm(sm(q)), layer.k_norm(sm(k)), sm(v), routes, 16)
+    lin = lambda t: t.reshape(2, 45, h, -1)  # noqa: E731
+    a = -layer.gates.A_log.exp() * F.softplus(layer.gates.a_proj(x) + layer.gates.dt_bias)
+    b = torch.sigmoid(layer.gates.b_proj(x))
+    o_la, _ = hybrid_gated_delta_rule(l2_norm(lin(q)), l2_norm(lin(k)), lin(v), a, b, routes, 16)
+    w = torch.softmax(layer.mix(q).view(2, 45, h * r, 2), -1)
+    merged = w[..., :1] * rms_norm(sm(o_la), cfg.norm_eps) + w[..., 1:] * rms_norm(o_sm,
+                                                                                    cfg.norm_eps)
+    gate = F.silu(layer.out.gate(x)).view(2, 45, h * r, -1)
+    expected = layer.out.out((merged * layer.out.gamma * gate).flatten(-2))
+    assert rel_err(y, expected) < 1e-12
+
+
+def test_routes_are_one_hot_with_straight_through_gradient():
+    layer = nats_layer().train()
+    x = torch.randn(2, 40, 32, dtype=torch.float64)
+    y, routing = layer(x)
+    assert torch.equal(routing.routes.detach(), F.one_hot(routing.probs.argmax(-1), 2).double())
+    assert routing.routes.requires_grad
+    y.square().sum().backward()
+    assert layer.scorer.proj.weight.grad.abs().sum() > 0  # the search learns through the route
+
+
+def test_attn_frac_and_cost_regulariser():
+    layer = nats_layer(reg_lambda=0.3)
+    _, routing = layer(torch.randn(2, 64, 32, dtype=torch.float64))
+    expected_frac = routing.routes[..., 0].mean((0, 1))
+    assert torch.equal(routing.attn_frac, expected_frac)
+    assert routing.reg.item() == pytest.approx(0.3 * routing.probs[..., 0].mean().item())
+
+
+def test_gumbel_sampler_is_hard_random_in_training_and_argmax_in_eval():
+    logits = torch.randn(4, 50, 3, 2, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    sampled = sample_routes(logits, "gumbel", 1.0, training=True, generator=gen)
+    assert torch.equal(sampled.detach().sum(-1), torch.ones(4, 50, 3, dtype=torch.float64))
+    argmax = F.one_hot(logits.argmax(-1), 2).double()
+    assert not torch.equal(sampled.detach(), argmax)  # 600 draws: some disagree with argmax
+    assert torch.equal(sample_routes(logits, "gumbel", 1.0, training=False), argmax)
+
+
+def test_gumbel_frequencies_follow_the_probabilities():
+    logits = torch.tensor([[[[0.0, 1.0]]]], dtype=torch.float64).expand(20000, 1, 1, 2)
+    gen = torch.Generator().manual_seed(0)
+    frac_sm = sample_routes(logits, "gumbel", 1.0, True, gen)[..., 0].mean().item()
+    assert frac_sm == pytest.approx(1 / (1 + torch.e), abs=0.01)
+
+
+def test_forced_routes():
+    routes = forced_routes(0.25, batch=2, first_chunk=0, n=8, heads=3, device="cpu")
+    assert routes[0, :, 0, 0].tolist() == [0, 0, 0, 1, 0, 0, 0, 1]
+    later = forced_routes(0.25, batch=2, first_chunk=5, n=3, heads=3, device="cpu")
+    assert torch.equal(later, routes[:, 5:])  # depends on the chunk index only
+    assert forced_routes("softmax", 1, 0, 2, 1, "cpu")[..., 0].tolist() == [[[1.0], [1.0]]]
+    assert forced_routes("linear", 1, 0, 2, 1, "cpu")[..., 1].tolist() == [[[1.0], [1.0]]]
+    given = torch.tensor([[1, 0], [0, 1], [1, 1]])
+    assert forced_routes(given, 2, 1, 2, 2, "cpu")[1, :, :, 0].tolist() == [[0, 1], [1, 1]]
+    for bad, msg in [("half", "one of"), (1.5, r"\[0, 1\]"), (torch.ones(2, 5), "H=2"),
+                     (given, "covers 3 chunks")]:
+        with pytest.raises(ValueError, match=msg):
+            forced_routes(bad, 2, 0, 4, 2, "cpu")
+
+
+def test_forced_routes_reach_the_layer():
+    layer = nats_layer()
+    x = torch.randn(1, 64, 32, dtype=torch.float64)
+    for override, frac in (("softmax", 1.0), ("linear", 0.0), (0.5, 0.5)):
+        layer.route_override = override
+        assert layer(x)[1].attn_frac.tolist() == [frac, frac]
+
+
+@pytest.mark.parametrize("position", [3, 17, 20, 31])
+def test_model_is_causal_also_within_a_chunk(position):
+    model = tiny_model(("nats", "gdn", "softmax"))
+    ids = torch.randint(0, 50, (1, 40), generator=torch.Generator().manual_seed(position))
+    changed = ids.clone()
+    changed[0, position] = (ids[0, position] + 1) % 50
+    a, b = model(ids).logits, model(changed).logits
+    assert torch.equal(a[:, :position], b[:, :position])
+    assert not torch.equal(a[:, position], b[:, position])
+
+
+def test_chunk_mean_pool_partial_last_chunk():
+    x = torch.arange(20, dtype=torch.float64).view(1, 20, 1)
+    assert chunk_mean_pool(x, 16).flatten().tolist() == [7.5, 17.5]
