@@ -24,18 +24,24 @@ def gated_delta_rule_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return scale * torch.einsum("bhk,bhkv->bhv", q, new_state), new_state
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Softmax attention of one query per head over cached keys.
+def decode_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                     scale: float, valid: list[torch.Tensor | None]) -> torch.Tensor:
+    """Softmax attention of one query per head over several key segments.
 
-    q ``[B, Hq, D]``, k ``[B, Hq, L, D]``, v ``[B, Hq, L, Dv]``, ``valid`` ``[B, Hq, L]``
-    marks real keys (every query has at least its own key). Returns ``[B, Hq, Dv]``.
+    q ``[B, Hq, D]``; segment ``i`` has keys ``[B, Hq, L_i, D]``, values
+    ``[B, Hq, L_i, Dv]`` and ``valid[i]`` ``[B, Hq, L_i]`` (or None: all real). One
+    softmax spans all segments; they are never concatenated, so a step copies no cache.
     """
     dt = compute_dtype(q)
-    s = torch.einsum("bhd,bhld->bhl", q.to(dt), k.to(dt)) * scale
-    if valid is not None:
-        s = s.masked_fill(~valid, float("-inf"))
-    return torch.einsum("bhl,bhld->bhd", torch.softmax(s, -1), v.to(dt)).to(v.dtype)
+    q = q.to(dt)
+    scores = []
+    for k, mask in zip(keys, valid, strict=True):
+        s = torch.einsum("bhd,bhld->bhl", q, k.to(dt)) * scale
+        scores.append(s if mask is None else s.masked_fill(~mask, float("-inf")))
+    p = torch.softmax(torch.cat(scores, -1), -1).split([s.shape[-1] for s in scores], -1)
+    out = sum(torch.einsum("bhl,bhld->bhd", pi, v.to(dt)) for pi, v in zip(p, values,
+                                                                          strict=True))
+    return out.to(values[0].dtype)
 
 
 def hybrid_attention_decode(q: torch.Tensor, store_k: torch.Tensor, store_v: torch.Tensor,
@@ -43,17 +49,16 @@ def hybrid_attention_decode(q: torch.Tensor, store_k: torch.Tensor, store_v: tor
                             chunk_v: torch.Tensor, scale: float) -> torch.Tensor:
     """Softmax branch for one token: the stored softmax chunks, then its own chunk.
 
-    q ``[B, H*r, D]``; store ``[B, H, M, C, r, D]`` holds per routing head the keys of
+    q ``[B, H*r, D]``; store ``[B, H, r, M, C, D]`` holds per routing head the keys of
     its softmax chunks in order, of which the first ``store_chunks[b, h]`` are real;
-    chunk_k ``[B, n, H*r, D]`` is the own chunk up to and including this token.
+    chunk_k ``[B, H*r, n, D]`` is the own chunk up to and including this token.
     """
-    batch, heads, slots, chunk, r, d = store_k.shape
-    flat = (batch, heads * r, slots * chunk)
-    k_store = store_k.permute(0, 1, 4, 2, 3, 5).reshape(*flat, d)
-    v_store = store_v.permute(0, 1, 4, 2, 3, 5).reshape(*flat, store_v.shape[-1])
+    r, slots, chunk = store_k.shape[2:5]
     slot = torch.arange(slots * chunk, device=q.device) // chunk
-    valid_store = (slot[None, None] < store_chunks[..., None]).repeat_interleave(r, 1)
-    k_all = torch.cat([k_store, chunk_k.transpose(1, 2)], 2)
-    v_all = torch.cat([v_store, chunk_v.transpose(1, 2)], 2)
-    valid_own = torch.ones(*flat[:2], chunk_k.shape[1], dtype=torch.bool, device=q.device)
-    return decode_attention(q, k_all, v_all, scale, torch.cat([valid_store, valid_own], 2))
+    valid = slot < store_chunks[..., None]  # [B, H, M*C]
+
+    def flat(t: torch.Tensor) -> torch.Tensor:  # a view: [B, H*r, M*C, D]
+        return t.flatten(3, 4).flatten(1, 2)
+
+    return decode_attention(q, [flat(store_k), chunk_k], [flat(store_v), chunk_v], scale,
+                            [valid.repeat_interleave(r, 1), None])

@@ -131,9 +131,9 @@ class NatsAttention(nn.Module):
             store_k, store_v, store_chunks = self._pack_store(ks, vs, routes, seq_len // c)
             cache = NatsLayerCache(
                 conv=cache_conv, state=state, snapshot=snapshot,
-                chunk_log_decay=g[:, done:].sum(1), chunk_k=ks[:, done:], chunk_v=vs[:, done:],
-                pool_sum=upcast(x[:, done:]).sum(1), store_k=store_k, store_v=store_v,
-                store_chunks=store_chunks)
+                chunk_log_decay=g[:, done:].sum(1), chunk_k=ks[:, done:].transpose(1, 2),
+                chunk_v=vs[:, done:].transpose(1, 2), pool_sum=upcast(x[:, done:]).sum(1),
+                store_k=store_k, store_v=store_v, store_chunks=store_chunks)
         routing = LayerRouting(routes=routes, probs=probs, attn_frac=softmax_fraction(routes),
                                reg=cfg.reg_lambda * probs[..., SOFTMAX].mean())
         return self._merge(q, o_la, o_sm, x), routing, cache
@@ -170,15 +170,15 @@ class NatsAttention(nn.Module):
     def _pack_store(self, ks: torch.Tensor, vs: torch.Tensor, routes: torch.Tensor, done: int):
         """Keys/values of the ``done`` finished softmax chunks, packed in order per head.
 
-        Returns ``store_k, store_v`` ``[B, H, M, C, r, D]`` and the real slot counts
+        Returns ``store_k, store_v`` ``[B, H, r, M, C, D]`` and the real slot counts
         ``[B, H]``; slots past a head's count hold stale data that decoding never reads.
         """
         c, h, r = self.cfg.chunk_size, self.cfg.n_heads, self.cfg.softmax_heads_per_head
         batch = ks.shape[0]
         if done == 0:
             counts = torch.zeros(batch, h, dtype=torch.long, device=ks.device)
-            return (ks.new_zeros(batch, h, 1, c, r, ks.shape[-1]),
-                    vs.new_zeros(batch, h, 1, c, r, vs.shape[-1]), counts)
+            return (ks.new_zeros(batch, h, r, 1, c, ks.shape[-1]),
+                    vs.new_zeros(batch, h, r, 1, c, vs.shape[-1]), counts)
         is_sm = routes[:, :done, :, SOFTMAX] > 0.5  # [B, done, H]
         counts = is_sm.sum(1)
         slots = max(int(counts.max()), 1)
@@ -189,7 +189,7 @@ class NatsAttention(nn.Module):
             d = t.shape[-1]
             chunks = t[:, : done * c].reshape(batch, done, c, h, r, d).permute(0, 3, 1, 2, 4, 5)
             idx = order.permute(0, 2, 1)[..., None, None, None].expand(-1, -1, -1, c, r, d)
-            return torch.gather(chunks, 2, idx)
+            return torch.gather(chunks, 2, idx).permute(0, 1, 4, 2, 3, 5).contiguous()
 
         return pack(ks), pack(vs), counts
 
@@ -205,8 +205,8 @@ class NatsAttention(nn.Module):
         o_la, cache.state = gated_delta_rule_step(cache.state, ql[:, 0], kl[:, 0], vl[:, 0],
                                                   g[:, 0], beta[:, 0], cfg.head_dim_k**-0.5)
         cache.chunk_log_decay = cache.chunk_log_decay + g[:, 0]
-        cache.chunk_k, cache.chunk_v = torch.cat([cache.chunk_k, ks], 1), torch.cat(
-            [cache.chunk_v, vs], 1)
+        cache.chunk_k = torch.cat([cache.chunk_k, ks.transpose(1, 2)], 2)
+        cache.chunk_v = torch.cat([cache.chunk_v, vs.transpose(1, 2)], 2)
         cache.pool_sum = cache.pool_sum + upcast(x[:, 0])
         o_sm = hybrid_attention_decode(qs[:, 0], cache.store_k, cache.store_v, cache.store_chunks,
                                        cache.chunk_k, cache.chunk_v, cfg.softmax_head_dim_k**-0.5)
@@ -223,23 +223,6 @@ class NatsAttention(nn.Module):
         decayed = cache.snapshot * cache.chunk_log_decay.exp()[..., None, None]
         cache.state = torch.where(is_sm[..., None, None], decayed, cache.state)
         cache.snapshot = cache.state
-        self._append_chunk(cache, is_sm)
-        cache.chunk_k, cache.chunk_v = cache.chunk_k[:, :0], cache.chunk_v[:, :0]
+        cache.append_chunk(is_sm)
         cache.pool_sum = torch.zeros_like(cache.pool_sum)
         cache.chunk_log_decay = torch.zeros_like(cache.chunk_log_decay)
-
-    def _append_chunk(self, cache: NatsLayerCache, is_sm: torch.Tensor) -> None:
-        batch, h, slots, c, r, _ = cache.store_k.shape
-        if int((cache.store_chunks + is_sm).max()) > slots:  # grow geometrically
-            grow = [0, 0] * 3 + [0, slots]
-            cache.store_k, cache.store_v = F.pad(cache.store_k, grow), F.pad(cache.store_v, grow)
-            slots *= 2
-        target = (torch.arange(slots, device=is_sm.device) == cache.store_chunks[..., None])
-        target = (target & is_sm[..., None])[..., None, None, None]  # [B, H, M, 1, 1, 1]
-
-        def chunk_of(t: torch.Tensor) -> torch.Tensor:  # [B, C, H*r, D] -> [B, H, 1, C, r, D]
-            return t.view(batch, c, h, r, t.shape[-1]).permute(0, 2, 1, 3, 4)[:, :, None]
-
-        cache.store_k = torch.where(target, chunk_of(cache.chunk_k), cache.store_k)
-        cache.store_v = torch.where(target, chunk_of(cache.chunk_v), cache.store_v)
-        cache.store_chunks = cache.store_chunks + is_sm.long()

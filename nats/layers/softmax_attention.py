@@ -47,11 +47,14 @@ class SoftmaxAttention(nn.Module):
         q, k, v = self._qkv(x, torch.arange(x.shape[1], device=x.device))
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                            v.transpose(1, 2), is_causal=True)
-        return self.out(o.transpose(1, 2).flatten(2)), None, SoftmaxLayerCache(k=k, v=v)
+        cache = SoftmaxLayerCache(k=k.transpose(1, 2).contiguous(),
+                                  v=v.transpose(1, 2).contiguous(), length=x.shape[1])
+        return self.out(o.transpose(1, 2).flatten(2)), None, cache
 
     def step(self, x: torch.Tensor, cache: SoftmaxLayerCache, position: int) -> torch.Tensor:
         q, k, v = self._qkv(x, torch.tensor([position], device=x.device))
-        cache.k, cache.v = torch.cat([cache.k, k], 1), torch.cat([cache.v, v], 1)
-        o = decode_attention(q[:, 0], cache.k.transpose(1, 2), cache.v.transpose(1, 2),
-                             q.shape[-1] ** -0.5)
+        cache.append(k[:, 0], v[:, 0])
+        n = cache.length
+        o = decode_attention(q[:, 0], [cache.k[:, :, :n]], [cache.v[:, :, :n]],
+                             q.shape[-1] ** -0.5, [None])
         return self.out(o.flatten(1)[:, None].to(x.dtype))
