@@ -60,6 +60,19 @@ def route_weight(route: torch.Tensor, route_grad: RouteGrad) -> torch.Tensor:
     return torch.where(route.detach() > 0.5, route, route.detach())
 
 
+def weighted_exp(shifted: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``weights * exp(shifted)`` where ``shifted`` is a score minus the max over keys with
+    weight > 0.
+
+    Keys of weight 0 (chunks routed to linear) may score far above that max; their
+    exponent is capped so that ``0 * exp`` stays 0 rather than ``0 * inf = NaN``. Only
+    the ``"both"`` route gradient at such a key, which would exceed ``exp(cap)``, is
+    capped.
+    """
+    cap = 0.5 * math.log(torch.finfo(shifted.dtype).max)
+    return weights * torch.exp(torch.where(weights.detach() > 0, shifted, shifted.clamp(max=cap)))
+
+
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """References compute in float32, or float64 when given float64 (for gradcheck)."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32

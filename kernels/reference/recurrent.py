@@ -1,16 +1,17 @@
 """Token-by-token forms of every operator: the independent test oracles.
 
 Each walks the sequence one token at a time, exactly as NATSL.md words it, and shares
-no code with the chunked references. They are slow (a Python loop over T) and meant
-for tests and tiny shapes. Routes act as plain weights here, so autograd gives the
-true derivative at both options (the references' ``route_grad="both"``).
+no operator code with the chunked references (only the guard against ``0 * inf``).
+They are slow (a Python loop over T) and meant for tests and tiny shapes. Routes act
+as plain weights here, so autograd gives the true derivative at both options (the
+references' ``route_grad="both"``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .chunks import LINEAR, SOFTMAX, compute_dtype
+from .chunks import LINEAR, SOFTMAX, compute_dtype, weighted_exp
 
 
 def _softmax_attention_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -24,7 +25,7 @@ def _softmax_attention_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         s = torch.einsum("bhd,bjhd->bjh", q[:, i], k[:, : i + 1]) * scale
         w = key_weight(i)
         m = s.masked_fill(w.detach() <= 0, float("-inf")).amax(1, keepdim=True).detach()
-        p = w * torch.exp(s - m)
+        p = weighted_exp(s - m, w)
         outs.append(torch.einsum("bjh,bjhd->bhd", p, v[:, : i + 1]) / p.sum(1)[..., None])
     return torch.stack(outs, 1)
 
