@@ -1,0 +1,40 @@
+"""Routing maps against hand-drawn expectations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nats.analysis import routing_map, routing_map_image
+from nats.analysis.routing_maps import LINEAR_RGB, SOFTMAX_RGB
+
+
+def _routes(sm: list[list[list[int]]]) -> torch.Tensor:
+    """``[B, N, H, 2]`` one-hot routes from 0/1 softmax choices ``sm[b][n][h]``."""
+    s = torch.tensor(sm, dtype=torch.float32)
+    return torch.stack([s, 1 - s], dim=-1)
+
+
+def test_map_is_chunks_by_sequence_major_heads() -> None:
+    routes = _routes([[[1, 0], [0, 0], [1, 1]],      # sequence 0: chunks x heads
+                      [[0, 1], [1, 0], [0, 0]]])     # sequence 1
+    expected = torch.tensor([[1, 0, 0, 1],
+                             [0, 0, 1, 0],
+                             [1, 1, 0, 0]], dtype=torch.bool)
+    assert torch.equal(routing_map(routes), expected)
+
+
+def test_image_upscales_each_cell_by_nearest_neighbour() -> None:
+    routes = _routes([[[1, 0]], [[0, 1]]])  # one chunk, 2 sequences x 2 heads
+    image = routing_map_image(routes, min_size=3)
+    assert image.dtype == np.uint8 and image.shape == (3, 12, 3)
+    cells = [image[:, 3 * c: 3 * c + 3].reshape(-1, 3) for c in range(4)]
+    for cell, colour in zip(cells, [SOFTMAX_RGB, LINEAR_RGB, LINEAR_RGB, SOFTMAX_RGB],
+                            strict=True):
+        assert (cell == np.array(colour)).all()
+
+
+def test_rejects_non_route_tensors() -> None:
+    with pytest.raises(ValueError, match=r"\[B, N, H, 2\]"):
+        routing_map(torch.zeros(2, 3, 4))

@@ -1,0 +1,77 @@
+"""TrainConfig validation names the field and what it allows; presets are valid runs."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from nats import ConfigError
+from nats.trainers import PRESETS, TrainConfig, preset, run_config, save_checkpoint
+from nats.trainers.loop import build_optimizer
+
+from .conftest import MicroConfig
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_presets_are_valid_and_round_trip_through_json(name: str) -> None:
+    config = preset(name)
+    assert TrainConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+
+
+def test_tiny_preset_is_a_small_nats_model() -> None:
+    config = preset("tiny")
+    assert set(config.model.layer_types) == {"nats"} and config.device == "auto"
+    assert config.model.d_model <= 64 and config.steps <= 200
+
+
+@pytest.mark.parametrize(("changes", "field", "allowed"), [
+    ({"task": "poems"}, "task", "'copy', 'mqar', 'bytes'"),
+    ({"steps": 0}, "steps", "integer >= 1"),
+    ({"batch_size": 2.5}, "batch_size", "integer >= 1"),
+    ({"warmup_steps": -1}, "warmup_steps", "integer >= 0"),
+    ({"lr": 0.0}, "lr", "number > 0"),
+    ({"lr": float("nan")}, "lr", "number > 0"),
+    ({"min_lr_ratio": 1.5}, "min_lr_ratio", "[0, 1]"),
+    ({"weight_decay": -0.1}, "weight_decay", ">= 0"),
+    ({"device": "gpu"}, "device", "'cuda:N'"),
+    ({"out_dir": ""}, "out_dir", "non-empty path"),
+    ({"data_paths": ["a"]}, "data_paths", "tuple"),
+    ({"copy_symbols": 64}, "copy_symbols", "vocab_size - 1 = 63"),
+    ({"task": "mqar", "mqar_pairs": 9, "seq_len": 32}, "seq_len", "4 * mqar_pairs = 36"),
+    ({"task": "mqar", "mqar_pairs": 40, "seq_len": 512}, "mqar_pairs", "= 31"),
+    ({"task": "bytes"}, "model.vocab_size", "at least 256"),
+])
+def test_bad_values_name_the_field_and_the_allowed_values(
+        micro: MicroConfig, changes: dict[str, Any], field: str, allowed: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        micro(**changes)
+    assert f"TrainConfig.{field} = " in str(err.value)
+    assert allowed in str(err.value)
+
+
+def test_from_dict_rejects_unknown_fields_and_bad_models(micro: MicroConfig) -> None:
+    data = micro().to_dict()
+    with pytest.raises(ConfigError, match=r"unknown TrainConfig field.*'stepz'"):
+        TrainConfig.from_dict({**data, "stepz": 3})
+    with pytest.raises(ConfigError, match=r"NatsConfig\.chunk_size"):
+        TrainConfig.from_dict({**data, "model": {**data["model"], "chunk_size": 3}})
+    with pytest.raises(ConfigError, match=r"unknown preset 'huge'.*tiny"):
+        preset("huge")
+
+
+def test_run_config_resumes_with_the_saved_config(micro: MicroConfig) -> None:
+    saved = micro(seq_len=17, seed=4)
+    model_config = preset("tiny").model
+    fresh = run_config("tiny", {"out_dir": saved.out_dir, "steps": 9}, resume=True)
+    assert fresh == preset("tiny").replace(out_dir=saved.out_dir, steps=9)
+
+    from nats import NatsForCausalLM
+
+    model = NatsForCausalLM(saved.model)
+    save_checkpoint(saved.out_dir, 3, model, build_optimizer(model, saved), saved.to_dict(),
+                    keep=1)
+    resumed = run_config("tiny", {"out_dir": saved.out_dir, "steps": 9}, resume=True)
+    assert resumed == saved.replace(steps=9) and resumed.model != model_config
+    assert run_config("tiny", {"out_dir": saved.out_dir}, resume=False).seq_len == 64

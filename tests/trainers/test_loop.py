@@ -1,0 +1,112 @@
+"""The training loop: exact resume after Ctrl-C, TensorBoard contents, learning, export."""
+
+from __future__ import annotations
+
+import math
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from nats import NatsForCausalLM
+from nats.analysis import routing_map_image
+from nats.trainers import build_batches, evaluate, latest_checkpoint, train
+
+from .conftest import MicroConfig
+
+
+def _interrupt_at(step: int):
+    """An eval callback that presses Ctrl-C (a real SIGINT) after ``step``."""
+
+    def on_eval(at: int, metrics: dict[str, float]) -> None:
+        if at == step:
+            signal.raise_signal(signal.SIGINT)
+
+    return on_eval
+
+
+def test_ctrl_c_then_resume_equals_an_uninterrupted_run(micro: MicroConfig,
+                                                         tmp_path: Path) -> None:
+    straight = train(micro(out_dir=str(tmp_path / "straight")))
+
+    config = micro(out_dir=str(tmp_path / "split"))
+    first = train(config, on_eval=_interrupt_at(3))
+    assert first.interrupted and first.step == 3 and len(first.train_losses) == 3
+    assert first.checkpoint == latest_checkpoint(config.out_dir)
+    assert first.checkpoint.name == "step_00000003.safetensors"
+    assert not (Path(config.out_dir) / "model").exists()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    second = train(config, resume=True)
+    assert not second.interrupted and second.step == 6
+    assert first.train_losses + second.train_losses == straight.train_losses
+    for (name, a), (_, b) in zip(straight.model.state_dict().items(),
+                                 second.model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    assert second.eval_metrics == straight.eval_metrics
+
+
+def test_refuses_to_overwrite_a_run(micro: MicroConfig) -> None:
+    config = micro(steps=1)
+    train(config)
+    with pytest.raises(FileExistsError, match="--resume"):
+        train(config)
+    with pytest.raises(ValueError, match="another model config"):
+        train(config.replace(model=config.model.replace(d_model=16)), resume=True)
+
+
+def test_tensorboard_has_losses_fractions_and_routing_maps(micro: MicroConfig) -> None:
+    config = micro()
+    result = train(config)
+    events = EventAccumulator(config.out_dir, size_guidance={
+        "images": 0, "scalars": 0, "histograms": 0, "tensors": 0})
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/ce", "train/reg", "train/lr", "eval/loss"} <= scalars
+    for prefix in ("train", "eval"):
+        assert {f"{prefix}/attn_frac/layer{i}/head{h}" for i in range(2) for h in range(2)} \
+            <= scalars
+    losses = events.Scalars("train/loss")
+    assert [e.step for e in losses] == list(range(1, 7))
+    assert [e.value for e in losses] == pytest.approx(result.train_losses)
+    assert [e.step for e in events.Scalars("eval/loss")] == [3, 6]
+
+    assert set(events.Tags()["images"]) == {"routing/layer0", "routing/layer1"}
+    image = events.Images("routing/layer1")[-1]
+    _, routes = evaluate(result.model, build_batches(config).eval(1), torch.device("cpu"))
+    expected = routing_map_image(routes[1])
+    assert (image.step, image.height, image.width) == (6, *expected.shape[:2])
+    n_chunks = math.ceil(config.seq_len / config.model.chunk_size)
+    assert expected.shape[0] % n_chunks == 0
+    assert expected.shape[1] % (config.batch_size * config.model.n_heads) == 0
+
+
+def test_loss_falls_on_the_copy_task(micro: MicroConfig) -> None:
+    # The issue's acceptance test: a tiny model, a few dozen CPU steps.
+    config = micro(steps=40, batch_size=8, lr=1e-2, warmup_steps=5, eval_interval=40)
+    losses = train(config).train_losses
+    assert losses[0] > 0.9 * math.log(config.model.vocab_size)
+    assert sum(losses[-5:]) / 5 < 0.65 * losses[0]
+
+
+def test_exported_model_reloads_exactly(micro: MicroConfig) -> None:
+    config = micro(steps=2)
+    result = train(config)
+    loaded = NatsForCausalLM.from_pretrained(Path(config.out_dir) / "model")
+    x, _ = build_batches(config).train(0)
+    result.model.eval()
+    assert torch.equal(loaded(x).logits, result.model(x).logits)
+
+
+@pytest.mark.parametrize("task", ["mqar", "bytes"])
+def test_other_tasks_train(micro: MicroConfig, tmp_path: Path, task: str) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(30):
+        (corpus / f"m{i}.py").write_text(f"x = {i}\n" * 20)
+    config = micro(task=task, steps=2, seq_len=32, mqar_pairs=4, data_paths=(str(corpus),),
+                   val_fraction=0.2, model=micro().model.replace(vocab_size=256))
+    result = train(config)
+    assert result.step == 2 and all(math.isfinite(v) for v in result.train_losses)

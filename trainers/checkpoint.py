@@ -1,0 +1,128 @@
+"""Training checkpoints: one safetensors file per checkpoint, written atomically.
+
+A checkpoint holds the model's weights, the optimizer's tensors (flattened into
+safetensors keys) and the RNG states; everything that is not a tensor (the step, the
+optimizer's scalars and param groups, the training config) is JSON in the file's
+metadata. Nothing is ever unpickled. A file is written to a temporary name in the same
+folder and renamed into place, so a crash leaves either the old or the new file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save
+
+FORMAT = "nats-checkpoint-1"
+_NAME = re.compile(r"^step_(\d+)\.safetensors$")
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers never see a partial file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def checkpoint_dir(out_dir: str | Path) -> Path:
+    return Path(out_dir) / "checkpoints"
+
+
+def list_checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every complete checkpoint of a run, oldest first."""
+    folder = checkpoint_dir(out_dir)
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name))]
+    return sorted(found)
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    found = list_checkpoints(out_dir)
+    return found[-1][1] if found else None
+
+
+def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    """A private contiguous CPU copy: safetensors refuses tensors that share storage."""
+    return t.detach().to("cpu", copy=True).contiguous()
+
+
+def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer, config: dict[str, Any],
+                    keep: int) -> Path:
+    """Save the state after ``step`` completed steps; keep only the ``keep`` newest."""
+    tensors = {f"model/{k}": _cpu_copy(v) for k, v in model.state_dict().items()}
+    opt = optimizer.state_dict()
+    scalars: dict[str, dict[str, Any]] = {}
+    for idx, state in opt["state"].items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optimizer/{idx}/{key}"] = _cpu_copy(value)
+            else:
+                scalars.setdefault(str(idx), {})[key] = value
+    tensors["rng/cpu"] = torch.get_rng_state()
+    if torch.cuda.is_available():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"rng/cuda/{i}"] = state
+    meta = {"format": FORMAT, "step": step, "config": config,
+            "optimizer": {"param_groups": opt["param_groups"], "scalars": scalars}}
+    path = checkpoint_dir(out_dir) / f"step_{step:08d}.safetensors"
+    atomic_write_bytes(path, save(tensors, metadata={"nats": json.dumps(meta)}))
+    for _, old in list_checkpoints(out_dir)[:-keep]:
+        old.unlink()
+    return path
+
+
+def read_checkpoint_meta(path: str | Path) -> dict[str, Any]:
+    """The JSON part of a checkpoint: ``step``, ``config`` and optimizer scalars."""
+    with safe_open(str(path), framework="pt") as f:
+        raw = (f.metadata() or {}).get("nats")
+    meta = json.loads(raw) if raw else {}
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a nats checkpoint ({FORMAT})")
+    return meta
+
+
+@dataclass(frozen=True)
+class Restored:
+    step: int
+    config: dict[str, Any]
+
+
+def load_checkpoint(path: str | Path, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer) -> Restored:
+    """Restore model, optimizer and RNG states in place; return the step and config."""
+    meta = read_checkpoint_meta(path)
+    tensors = load_file(str(path))
+    model.load_state_dict({k.removeprefix("model/"): v for k, v in tensors.items()
+                           if k.startswith("model/")})
+    state: dict[int, dict[str, Any]] = {
+        int(idx): dict(values) for idx, values in meta["optimizer"]["scalars"].items()}
+    for key, value in tensors.items():
+        if key.startswith("optimizer/"):
+            _, idx, name = key.split("/", 2)
+            state.setdefault(int(idx), {})[name] = value
+    optimizer.load_state_dict({"state": state,
+                               "param_groups": meta["optimizer"]["param_groups"]})
+    torch.set_rng_state(tensors["rng/cpu"])
+    n_cuda = sum(k.startswith("rng/cuda/") for k in tensors)
+    if n_cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([tensors[f"rng/cuda/{i}"] for i in range(n_cuda)])
+    return Restored(step=meta["step"], config=meta["config"])
