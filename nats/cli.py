@@ -1,0 +1,127 @@
+"""The ``nats`` command: a thin layer over :mod:`nats.trainers`; only what works is offered.
+
+Bad input ends with one ``nats: error: ...`` line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+import torch
+
+from nats import NatsForCausalLM
+
+EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
+_OVERRIDES = ("task", "steps", "batch_size", "seq_len", "lr", "seed", "device", "out_dir",
+              "data_paths")
+"""``TrainConfig`` fields that ``nats train`` options override (same names as ``dest``)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports usage errors in one line, like every other error of the command."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"nats: error: {message}\n")
+
+
+def _train(args: argparse.Namespace) -> int:
+    from nats.trainers import run_config, train
+
+    overrides: dict[str, Any] = {name: getattr(args, name) for name in _OVERRIDES
+                                 if getattr(args, name) is not None}
+    if "data_paths" in overrides:
+        overrides["data_paths"] = tuple(overrides["data_paths"])
+    config = run_config(args.preset, overrides, resume=args.resume)
+    result = train(config, resume=args.resume)
+    if result.interrupted:
+        print(f"nats: interrupted at step {result.step}; continue with: "
+              f"nats train --resume --out {config.out_dir}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return 0
+
+
+def _load(model_dir: str, device: str) -> NatsForCausalLM:
+    from nats.trainers import resolve_device
+
+    return NatsForCausalLM.from_pretrained(model_dir, device=resolve_device(device)).eval()
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from nats.trainers import generate_text
+
+    model = _load(args.model_dir, args.device)
+    generator = torch.Generator(device=model.embed.weight.device).manual_seed(args.seed)
+    text = generate_text(model, args.prompt, args.max_new_tokens, do_sample=args.sample,
+                         temperature=args.temperature, top_k=args.top_k, generator=generator)
+    print(args.prompt + text)
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    model = _load(args.model_dir, "cpu")
+    print(json.dumps({"parameters": sum(p.numel() for p in model.parameters()),
+                      "layer_types": list(model.config.layer_types),
+                      "config": model.config.to_dict()}, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from nats.trainers import PRESETS, TASKS
+
+    parser = _Parser(prog="nats", description="NAtS-L: token-level hybrid attention search.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = sub.add_parser("train", help="train a model from a preset (resumable)")
+    train.add_argument("--preset", default="tiny", choices=PRESETS,
+                       help="named configuration (default: tiny)")
+    train.add_argument("--task", choices=TASKS)
+    train.add_argument("--steps", type=int)
+    train.add_argument("--batch-size", type=int)
+    train.add_argument("--seq-len", type=int)
+    train.add_argument("--lr", type=float)
+    train.add_argument("--seed", type=int)
+    train.add_argument("--device", help="auto, cpu, cuda or cuda:N")
+    train.add_argument("--out", dest="out_dir", help="run folder: logs, checkpoints, model/")
+    train.add_argument("--data", dest="data_paths", nargs="+", metavar="PATH",
+                       help="files or folders for task 'bytes' (default: the Python stdlib)")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the newest checkpoint in the run folder")
+    train.set_defaults(func=_train)
+
+    gen = sub.add_parser("generate", help="continue a prompt with a saved byte-level model")
+    gen.add_argument("model_dir", help="a folder written by save_pretrained (run/model)")
+    gen.add_argument("--prompt", default="def ", help="text, fed as UTF-8 bytes")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--sample", action="store_true", help="sample instead of greedy")
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:N")
+    gen.set_defaults(func=_generate)
+
+    info = sub.add_parser("info", help="describe a saved model")
+    info.add_argument("model_dir")
+    info.set_defaults(func=_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``nats`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as e:
+        message = " ".join(str(e).split())
+        print(f"nats: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("nats: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The ``nats`` command: one-line errors with status 2, and train / info / generate work."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nats.cli import main
+from nats.trainers import latest_checkpoint
+
+
+def _status(argv: list[str]) -> int:
+    """``main``'s exit status, whether it returns it or argparse exits with it."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+
+
+def _nats(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
+    """Run the installed console script the way a user does."""
+    return subprocess.run(["nats", *args], capture_output=True, text=True, timeout=120,
+                          **kwargs)
+
+
+@pytest.mark.parametrize("argv", [
+    [],
+    ["fly"],
+    ["train", "--preset", "enormous"],
+    ["train", "--steps", "many"],
+    ["train", "--steps", "0"],
+    ["train", "--task", "poetry"],
+    ["train", "--device", "tpu"],
+    ["train", "--lr", "-1"],
+    ["train", "--task", "bytes", "--data", "/no/such/corpus"],
+    ["generate", "/no/such/model"],
+    ["generate", "."],
+    ["info", "/no/such/model"],
+])
+def test_bad_input_is_one_line_and_status_2(argv: list[str], capsys, tmp_path: Path,
+                                            monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # a run that wrongly started would write here, not in the repo
+    assert _status(argv) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("nats: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in out + err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_console_script_reports_bad_input_without_traceback(tmp_path: Path) -> None:
+    done = _nats("train", "--steps", "-3", "--out", str(tmp_path / "run"))
+    assert done.returncode == 2
+    assert done.stderr == "nats: error: TrainConfig.steps = -3 is invalid: " \
+                          "must be an integer >= 1\n"
+
+
+def test_train_info_generate(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    done = _nats("train", "--preset", "tiny", "--steps", "3", "--batch-size", "2",
+                 "--seq-len", "32", "--device", "cpu", "--out", str(run))
+    assert done.returncode == 0, done.stderr
+    assert "nats: done, 3 steps" in done.stdout
+    assert (run / "model" / "config.json").is_file()
+    assert latest_checkpoint(run).name == "step_00000003.safetensors"
+
+    info = _nats("info", str(run / "model"))
+    assert info.returncode == 0, info.stderr
+    described = json.loads(info.stdout)
+    assert described["layer_types"] == ["nats", "nats"] and described["parameters"] > 0
+
+    gen = _nats("generate", str(run / "model"), "--prompt", "ab", "--max-new-tokens", "5",
+                "--sample", "--top-k", "10")
+    assert gen.returncode == 0, gen.stderr
+    assert gen.stdout.startswith("ab") and len(gen.stdout.encode()) >= 3
+
+    again = _nats("train", "--preset", "tiny", "--out", str(run))
+    assert again.returncode == 2 and "--resume" in again.stderr
+
+
+def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    args = ["--preset", "tiny", "--batch-size", "2", "--seq-len", "32", "--device", "cpu",
+            "--out", str(run)]
+    proc = subprocess.Popen(["nats", "train", "--steps", "100000", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.stdout is not None
+    for line in proc.stdout:  # the handler is installed once this line is printed
+        if line.startswith("nats: training"):
+            break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "nats train --resume --out" in err
+    step = int(latest_checkpoint(run).stem.removeprefix("step_"))
+
+    done = _nats("train", "--resume", "--out", str(run), "--steps", str(step + 2))
+    assert done.returncode == 0, done.stderr
+    assert f"resuming from {latest_checkpoint(run).parent}" in done.stdout
+    assert f"steps {step} -> {step + 2}" in done.stdout
+    assert (run / "model" / "model.safetensors").is_file()
+
+
+def test_module_entry_point() -> None:
+    done = subprocess.run([sys.executable, "-m", "nats.cli", "--help"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and "train" in done.stdout and "generate" in done.stdout
