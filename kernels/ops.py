@@ -35,10 +35,12 @@ def _triton():
 def hybrid_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              routes: torch.Tensor, chunk_size: int, scale: float | None = None,
                              *, route_grad: RouteGrad = "selected",
-                             backend: Backend = "auto") -> torch.Tensor:
+                             backend: Backend = "auto",
+                             cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax branch of NAtS-L; see :func:`reference.hybrid_softmax_attention`."""
     impl = _triton() if resolve_backend(backend, q) == "triton" else reference
-    return impl.hybrid_softmax_attention(q, k, v, routes, chunk_size, scale, route_grad=route_grad)
+    return impl.hybrid_softmax_attention(q, k, v, routes, chunk_size, scale, route_grad=route_grad,
+                                         cu_seqlens=cu_seqlens)
 
 
 def hybrid_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

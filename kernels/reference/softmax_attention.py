@@ -8,6 +8,8 @@ route gradient directly. Memory is ``O(T^2)``: this is the reference, not the fa
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from .chunks import (
@@ -17,6 +19,7 @@ from .chunks import (
     check_routes,
     chunk_ids,
     compute_dtype,
+    num_chunks,
     route_weight,
 )
 
@@ -58,13 +61,20 @@ def hybrid_key_weights(routes_sm: torch.Tensor, seq_len: int, chunk_size: int) -
 
 def hybrid_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              routes: torch.Tensor, chunk_size: int, scale: float | None = None,
-                             *, route_grad: RouteGrad = "selected") -> torch.Tensor:
+                             *, route_grad: RouteGrad = "selected",
+                             cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax branch of NAtS-L.
 
     q, k ``[B, T, H*r, Dk]``, v ``[B, T, H*r, Dv]``, routes ``[B, N, H, 2]`` one-hot
     (index 0 = softmax). The ``r`` softmax heads ``h*r .. h*r+r-1`` share route ``h``.
     Returns ``[B, T, H*r, Dv]``. Only ``routes[..., 0]`` receives a gradient.
+
+    With ``cu_seqlens`` (``[n_seq+1]`` cumulative offsets, FlashAttention convention),
+    B is 1 and T holds the sequences back to back; each has its own chunks, and routes
+    is ``[1, N_total, H, 2]`` with the sequences' chunks concatenated in order.
     """
+    if cu_seqlens is not None:
+        return _varlen(q, k, v, routes, chunk_size, scale, route_grad, cu_seqlens)
     _check_qkv(q, k, v)
     check_chunk_size(chunk_size)
     batch, seq_len, heads_sm, d_k = q.shape
@@ -76,6 +86,28 @@ def hybrid_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     weights = hybrid_key_weights(z, seq_len, chunk_size)
     weights = weights.repeat_interleave(heads_sm // heads, dim=1)
     return weighted_softmax_attention(q, k, v, weights, scale)
+
+
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, routes: torch.Tensor,
+            chunk_size: int, scale: float | None, route_grad: RouteGrad,
+            cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Packed sequences: the dense operator on each sequence, outputs concatenated."""
+    _check_qkv(q, k, v)
+    if q.shape[0] != 1 or cu_seqlens.dim() != 1:
+        raise ValueError(f"cu_seqlens needs B == 1 and shape [n_seq+1]; got q {list(q.shape)}, "
+                         f"cu_seqlens {list(cu_seqlens.shape)}")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != q.shape[1] or sorted(bounds) != bounds:
+        raise ValueError(f"cu_seqlens must rise from 0 to T={q.shape[1]}, got {bounds}")
+    lengths = [b - a for a, b in itertools.pairwise(bounds)]
+    chunks = [num_chunks(n, chunk_size) for n in lengths]
+    if routes.dim() != 4 or routes.shape[0] != 1 or routes.shape[1] != sum(chunks):
+        raise ValueError(f"routes must be [1, {sum(chunks)}, H, 2] for sequences of lengths "
+                         f"{lengths} in chunks of {chunk_size}, got {list(routes.shape)}")
+    outs = [hybrid_softmax_attention(qs, ks, vs, rs, chunk_size, scale, route_grad=route_grad)
+            for qs, ks, vs, rs in zip(q.split(lengths, 1), k.split(lengths, 1),
+                                      v.split(lengths, 1), routes.split(chunks, 1), strict=True)]
+    return torch.cat(outs, 1)
 
 
 def causal_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
