@@ -48,8 +48,10 @@ def hybrid_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                             scale: float | None = None, initial_state: torch.Tensor | None = None,
                             output_final_state: bool = False, *,
                             route_grad: RouteGrad = "selected", backend: Backend = "auto",
+                            cu_seqlens: torch.Tensor | None = None,
                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Linear branch of NAtS-L; see :func:`reference.hybrid_gated_delta_rule`."""
     impl = _triton() if resolve_backend(backend, q) == "triton" else reference
     return impl.hybrid_gated_delta_rule(q, k, v, g, beta, routes, chunk_size, scale,
-                                        initial_state, output_final_state, route_grad=route_grad)
+                                        initial_state, output_final_state, route_grad=route_grad,
+                                        cu_seqlens=cu_seqlens)

@@ -17,6 +17,8 @@ so every chunk decays the carried state, and only the write is weighted by the r
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -36,6 +38,7 @@ def hybrid_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                             scale: float | None = None, initial_state: torch.Tensor | None = None,
                             output_final_state: bool = False, *,
                             route_grad: RouteGrad = "selected",
+                            cu_seqlens: torch.Tensor | None = None,
                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Linear branch of NAtS-L.
 
@@ -44,7 +47,14 @@ def hybrid_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     (index 1 = linear), state ``[B, H, Dk, Dv]`` (float32). Returns ``(o, final_state)``;
     the final state is the one carried past the last chunk, after its route.
     Only ``routes[..., 1]`` receives a gradient.
+
+    ``cu_seqlens`` (int offsets ``[n_seq + 1]``, batch of 1) packs several sequences along
+    T, FlashAttention style: each has its own chunks, routes are ``[1, N_total, H, 2]``
+    with the sequences' chunks concatenated, and states are ``[n_seq, H, Dk, Dv]``.
     """
+    if cu_seqlens is not None:
+        return _varlen(q, k, v, g, beta, routes, chunk_size, scale, initial_state,
+                       output_final_state, route_grad, cu_seqlens)
     batch, seq_len, heads, d_k = _check_inputs(q, k, v, g, beta, initial_state)
     check_chunk_size(chunk_size)
     check_routes(routes, batch, seq_len, chunk_size, heads)
@@ -89,6 +99,34 @@ def hybrid_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     return o.to(v.dtype), state if output_final_state else None
 
 
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+            beta: torch.Tensor, routes: torch.Tensor, chunk_size: int, scale: float | None,
+            initial_state: torch.Tensor | None, output_final_state: bool,
+            route_grad: RouteGrad, cu_seqlens: torch.Tensor,
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The packed batch, one sequence at a time through the dense path (obviously right)."""
+    lengths = sequence_lengths(cu_seqlens, q.shape[0], q.shape[1])
+    check_chunk_size(chunk_size)
+    counts = [num_chunks(n, chunk_size) for n in lengths]
+    if routes.dim() != 4 or routes.shape[0] != 1 or routes.shape[1] != sum(counts):
+        raise ValueError(f"routes must be [1, {sum(counts)}, H, 2] for these cu_seqlens and "
+                         f"chunk_size={chunk_size}, got {list(routes.shape)}")
+    if initial_state is not None and initial_state.shape[0] != len(lengths):
+        raise ValueError(f"initial_state must have one state per sequence ({len(lengths)}), "
+                         f"got {list(initial_state.shape)}")
+    token_parts = [x.split(lengths, 1) for x in (q, k, v, g, beta)]
+    route_parts = routes.split(counts, 1)
+    outs, states = [], []
+    for i in range(len(lengths)):
+        h0 = None if initial_state is None else initial_state[i : i + 1]
+        o, state = hybrid_gated_delta_rule(*(p[i] for p in token_parts), route_parts[i],
+                                           chunk_size, scale, h0, output_final_state,
+                                           route_grad=route_grad)
+        outs.append(o)
+        states.append(state)
+    return torch.cat(outs, 1), torch.cat(states) if output_final_state else None
+
+
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, scale: float | None = None,
                      initial_state: torch.Tensor | None = None, output_final_state: bool = False,
@@ -100,6 +138,20 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     routes[..., LINEAR] = 1
     return hybrid_gated_delta_rule(q, k, v, g, beta, routes, chunk_size, scale, initial_state,
                                    output_final_state)
+
+
+def sequence_lengths(cu_seqlens: torch.Tensor, batch: int, total: int) -> list[int]:
+    """Check packed-batch offsets (FlashAttention convention); return the sequence lengths."""
+    if batch != 1:
+        raise ValueError(f"cu_seqlens needs a batch of 1 (sequences packed along T), got {batch}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+        raise ValueError(f"cu_seqlens must be 1-D integer offsets [n_seq + 1], got "
+                         f"{cu_seqlens.dtype} {list(cu_seqlens.shape)}")
+    offsets = cu_seqlens.tolist()
+    lengths = [b - a for a, b in itertools.pairwise(offsets)]
+    if offsets[0] != 0 or offsets[-1] != total or min(lengths) <= 0:
+        raise ValueError(f"cu_seqlens must rise strictly from 0 to T={total}, got {offsets}")
+    return lengths
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

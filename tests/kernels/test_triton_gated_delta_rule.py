@@ -1,0 +1,194 @@
+"""The Triton hybrid gated delta rule against the float32 reference, forward and backward.
+
+Without a GPU the kernels run under ``TRITON_INTERPRET=1`` (see ``conftest.py``) on tiny
+shapes in float32 and float16; with one, in bfloat16 at realistic shapes. Every kernel
+output and gradient buffer starts as NaN, so an element a kernel fails to write shows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nats.kernels import LINEAR, SOFTMAX, hybrid_gated_delta_rule, num_chunks
+from nats.kernels import reference as ref
+from nats.kernels.triton import utils
+from nats.kernels.triton.gated_delta_rule import hybrid_gated_delta_rule as triton_gdr
+
+from .inputs import gdr_inputs, make_routes, rel_rms_error
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+TOKEN_INPUTS = ("q", "k", "v", "g", "beta")
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(utils, "POISON_OUTPUTS", True)
+
+
+def compare(x: dict[str, torch.Tensor], routes: torch.Tensor, chunk_size: int,
+            dtype: torch.dtype, route_grad: str, use_h0: bool, final: bool,
+            out_tol: float, grad_tol: float, cu_seqlens: torch.Tensor | None = None,
+            backend_op: bool = False) -> None:
+    """Run the kernel (inputs in ``dtype``) and the float32 reference on the same values;
+    check outputs, final state and every gradient by relative RMS error."""
+    names = TOKEN_INPUTS + (("initial_state",) if use_h0 else ())
+    low = {n: (x[n].to(dtype) if n in TOKEN_INPUTS else x[n].float()).to(DEVICE) for n in names}
+    ins = {n: t.detach().clone().requires_grad_() for n, t in low.items()}
+    ref_ins = {n: t.detach().float().requires_grad_() for n, t in low.items()}
+    routes = routes.float().to(DEVICE)
+    r_tri, r_ref = routes.clone().requires_grad_(), routes.clone().requires_grad_()
+    kernel = ((lambda *a, **kw: hybrid_gated_delta_rule(*a, **kw, backend="triton"))
+              if backend_op else triton_gdr)
+
+    def call(fn, t: dict[str, torch.Tensor], r: torch.Tensor):
+        return fn(*(t[n] for n in TOKEN_INPUTS), r, chunk_size, None, t.get("initial_state"),
+                  final, route_grad=route_grad, cu_seqlens=cu_seqlens)
+
+    o, state = call(kernel, ins, r_tri)
+    o_ref, state_ref = call(ref.hybrid_gated_delta_rule, ref_ins, r_ref)
+    assert o.dtype == dtype and o.shape == o_ref.shape
+    check(o, o_ref, out_tol, "o")
+    outs, outs_ref = (o,), (o_ref,)
+    if final:
+        assert state.dtype == torch.float32 and state.shape == state_ref.shape
+        check(state, state_ref, out_tol, "final state")
+        outs, outs_ref = (o, state), (o_ref, state_ref)
+    else:
+        assert state is None
+    gen = torch.Generator().manual_seed(7)
+    cot = [torch.randn(t.shape, generator=gen).to(DEVICE) for t in outs_ref]
+    grads = torch.autograd.grad(outs, [*ins.values(), r_tri], [c.to(t.dtype) for c, t in
+                                                               zip(cot, outs, strict=True)])
+    grads_ref = torch.autograd.grad(outs_ref, [*ref_ins.values(), r_ref], cot)
+    for name, got, want in zip((*names, "routes"), grads, grads_ref, strict=True):
+        assert got.dtype == low.get(name, routes).dtype, name
+        if name == "routes":
+            assert not got[..., SOFTMAX].any()
+            got, want = got[..., LINEAR], want[..., LINEAR]
+        check(got, want, grad_tol, f"d{name}")
+
+
+def check(got: torch.Tensor, want: torch.Tensor, tol: float, name: str) -> None:
+    if not want.any():  # e.g. no linear chunk: zero route gradient, or a zero final state
+        assert not got.any(), name
+        return
+    err = rel_rms_error(got, want)
+    assert err <= tol, f"{name}: relative RMS error {err:.2e}"
+
+
+def routes_with_softmax_fraction(batch: int, n_chunks: int, heads: int, frac: float,
+                                 seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    choice = (torch.rand(batch, n_chunks, heads, generator=gen) >= frac).long()
+    return F.one_hot(choice, 2).float()  # index 1 (linear) where the draw exceeds frac
+
+
+CPU_CASES = [
+    # batch, T, Dk, Dv, chunk, routes, dtype, route_grad, initial state, final state
+    (2, 37, 16, 16, 16, "random", torch.float32, "selected", True, True),
+    (2, 37, 16, 32, 16, "linear", torch.float16, "both", False, True),
+    (1, 70, 32, 32, 32, "random", torch.float16, "both", True, True),
+    (2, 70, 16, 16, 32, "softmax", torch.float32, "selected", True, False),
+    (1, 70, 16, 16, 64, "random", torch.float32, "both", False, True),
+    (2, 45, 32, 16, 64, "linear", torch.float16, "selected", True, True),
+    (1, 150, 16, 16, 128, "random", torch.float32, "selected", True, True),
+    (1, 150, 16, 16, 128, "softmax", torch.float16, "both", True, True),
+    (1, 300, 16, 16, 256, "random", torch.float32, "both", True, True),
+    (1, 270, 16, 16, 256, "linear", torch.float16, "selected", False, True),
+]
+
+
+@pytest.mark.skipif(CUDA, reason="interpreter shapes; the GPU runs the bf16 tests")
+@pytest.mark.parametrize(("batch", "seq_len", "d_k", "d_v", "chunk", "kind", "dtype",
+                          "route_grad", "use_h0", "final"), CPU_CASES)
+def test_matches_reference_interpreted(batch: int, seq_len: int, d_k: int, d_v: int, chunk: int,
+                                       kind: str, dtype: torch.dtype, route_grad: str,
+                                       use_h0: bool, final: bool) -> None:
+    x = gdr_inputs(batch, seq_len, 2, d_k, d_v, dtype=torch.float32, seed=chunk)
+    routes = make_routes(batch, seq_len, chunk, 2, kind, dtype=torch.float32, seed=seq_len)
+    compare(x, routes, chunk, dtype, route_grad, use_h0, final, 5e-3, 8e-3)
+
+
+@pytest.mark.skipif(CUDA, reason="interpreter shapes; the GPU runs the bf16 tests")
+@pytest.mark.parametrize(("lengths", "chunk", "dtype", "route_grad", "backend_op"), [
+    ((20, 37, 13), 16, torch.float32, "both", True),
+    ((100, 70), 128, torch.float16, "selected", False),
+])
+def test_varlen_matches_reference_interpreted(lengths: tuple[int, ...], chunk: int,
+                                              dtype: torch.dtype, route_grad: str,
+                                              backend_op: bool) -> None:
+    total, heads = sum(lengths), 2
+    x = gdr_inputs(1, total, heads, 16, 16, dtype=torch.float32, seed=len(lengths))
+    x["initial_state"] = torch.randn(len(lengths), heads, 16, 16)
+    n_total = sum(num_chunks(n, chunk) for n in lengths)
+    routes = make_routes(1, n_total * chunk, chunk, heads, "random", dtype=torch.float32)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE)
+    compare(x, routes, chunk, dtype, route_grad, True, True, 5e-3, 8e-3, cu, backend_op)
+
+
+def test_reference_varlen_is_per_sequence() -> None:
+    """The packed reference equals the dense one run on every sequence alone."""
+    lengths, chunk, heads = (9, 20), 16, 2
+    x = gdr_inputs(1, sum(lengths), heads, 8, 8, dtype=torch.float64)
+    h0 = torch.randn(len(lengths), heads, 8, 8, dtype=torch.float64)
+    counts = [num_chunks(n, chunk) for n in lengths]
+    routes = make_routes(1, sum(counts) * chunk, chunk, heads, "random")
+    o, state = ref.hybrid_gated_delta_rule(*(x[n] for n in TOKEN_INPUTS), routes, chunk, None,
+                                           h0, True, cu_seqlens=torch.tensor([0, 9, 29]))
+    parts = [x[n].split(lengths, 1) for n in TOKEN_INPUTS]
+    for i, r in enumerate(routes.split(counts, 1)):
+        o_i, s_i = ref.hybrid_gated_delta_rule(*(p[i] for p in parts), r, chunk, None,
+                                               h0[i : i + 1], True)
+        torch.testing.assert_close(o.split(lengths, 1)[i], o_i)
+        torch.testing.assert_close(state[i : i + 1], s_i)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"d_k": 24}, "Dk must be one of"),
+    ({"dtype": torch.float64}, "must share one dtype"),
+    ({"chunk": 48}, "chunk_size must be one of"),
+    ({"route_grad": "all"}, "route_grad must be one of"),
+    ({"n_chunks": 5}, "routes must have shape"),
+])
+def test_bad_input_raises(change: dict, message: str) -> None:
+    args = {"d_k": 16, "dtype": torch.float32, "chunk": 16, "route_grad": "selected",
+            "n_chunks": 2} | change
+    x = gdr_inputs(1, 20, 2, args["d_k"], 16, dtype=args["dtype"])
+    routes = torch.zeros(1, args["n_chunks"], 2, 2)
+    with pytest.raises(ValueError, match=message):
+        triton_gdr(*(x[n] for n in TOKEN_INPUTS), routes, args["chunk"],
+                   route_grad=args["route_grad"])
+
+
+GPU_CASES = [
+    # batch, T, heads, chunk, route_grad
+    (1, 8192, 4, 64, "selected"),
+    (2, 4001, 16, 256, "both"),
+    (4, 2048, 8, 64, "both"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("batch", "seq_len", "heads", "chunk", "route_grad"), GPU_CASES)
+def test_bf16_matches_reference_on_gpu(batch: int, seq_len: int, heads: int, chunk: int,
+                                       route_grad: str) -> None:
+    x = gdr_inputs(batch, seq_len, heads, 128, 128, dtype=torch.float32, seed=seq_len)
+    routes = routes_with_softmax_fraction(batch, num_chunks(seq_len, chunk), heads, 0.25)
+    compare(x, routes, chunk, torch.bfloat16, route_grad, True, True, 1e-2, 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("chunk", [64, 256])
+def test_bf16_varlen_matches_reference_on_gpu(chunk: int) -> None:
+    lengths, heads = (1000, 3000, 77, 4096), 8
+    x = gdr_inputs(1, sum(lengths), heads, 128, 128, dtype=torch.float32, seed=chunk)
+    x["initial_state"] = torch.randn(len(lengths), heads, 128, 128)
+    n_total = sum(num_chunks(n, chunk) for n in lengths)
+    routes = routes_with_softmax_fraction(1, n_total, heads, 0.25)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE)
+    compare(x, routes, chunk, torch.bfloat16, "selected", True, True, 1e-2, 1e-2, cu)
