@@ -21,6 +21,7 @@ from .chunks import (
     compute_dtype,
     num_chunks,
     route_weight,
+    weighted_exp,
 )
 
 
@@ -38,7 +39,8 @@ def weighted_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     m = s.masked_fill(~visible, float("-inf")).amax(-1, keepdim=True).detach()
     # Invisible positions of the future never enter; earlier unselected chunks keep
     # exp(s - m) so that the "both" route gradient exists there.
-    p = weights.to(dt) * torch.exp((s - m).masked_fill(~_causal(s.shape[-1], s.device), -torch.inf))
+    future = ~_causal(s.shape[-1], s.device)
+    p = weighted_exp((s - m).masked_fill(future, -torch.inf), weights.to(dt))
     o = torch.einsum("bhij,bjhd->bihd", p, v.to(dt)) / p.sum(-1).transpose(1, 2).unsqueeze(-1)
     return o.to(v.dtype)
 
