@@ -42,23 +42,46 @@ def _configs(pairs: list[tuple[int, int, int, int]]) -> list[triton.Config]:
     )
 
 
-# The tile along the own-chunk axis is min(block, chunk), so few configs cover it.
-_FWD_CONFIGS = _configs([(64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 8, 2)])
-_BWD_CONFIGS = _configs([(64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2)])
+_FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)])
+_BWD_CONFIGS = _configs([(64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (128, 128, 8, 2)])
 _TUNE_KEY = ["C", "DK", "DV", "R"]
 
 
 @triton.jit
 def _locate_tile(pid, cu_seqlens, chunk_offsets, chunk_seq, C: tl.constexpr, TILE: tl.constexpr):
-    """Tile ``pid`` of ``C // TILE`` per chunk: its chunk, the chunk's sequence, first token."""
-    g = pid // (C // TILE)
+    """Tile ``pid``: its first chunk, that chunk's sequence, and the tile's first token.
+
+    A tile no wider than a chunk is one of ``C // TILE`` per chunk. A wider one covers
+    ``TILE // C`` chunks of one sequence and is owned by the program of its first chunk;
+    the programs of the other chunks get ``start == eos`` and do nothing.
+    """
+    g = pid // (C // TILE if TILE <= C else 1)
     seq = tl.load(chunk_seq + g)
     bos = tl.load(cu_seqlens + seq)
     eos = tl.load(cu_seqlens + seq + 1)
     first_chunk = tl.load(chunk_offsets + seq)
     chunk_start = bos + (g - first_chunk) * C
-    start = chunk_start + (pid % (C // TILE)) * TILE
+    if TILE <= C:
+        start = chunk_start + (pid % (C // TILE)) * TILE
+    else:
+        start = tl.where((g - first_chunk) % (TILE // C) == 0, chunk_start, eos)
     return g, first_chunk, bos, chunk_start, start, eos
+
+
+@triton.jit
+def _own_keys_visible(rows, cols, cols_ok, bos, first_chunk, before_h, H: tl.constexpr,
+                      C: tl.constexpr, TM: tl.constexpr):
+    """Which keys from a tile's own chunks each query sees: causal, and across chunks of a
+    tile wider than a chunk only keys of softmax chunks (``before_h``: BEFORE at head h)."""
+    visible = cols[None, :] <= rows[:, None]
+    if TM > C:
+        col_chunk = (cols - bos) // C
+        g_col = first_chunk + col_chunk
+        softmax = (tl.load(before_h + (g_col + 1) * H, mask=cols_ok, other=0)
+                   > tl.load(before_h + g_col * H, mask=cols_ok, other=0))
+        same = ((rows - bos) // C)[:, None] == col_chunk[None, :]
+        visible = visible & (same | softmax[None, :])
+    return visible
 
 
 @triton.jit
@@ -108,7 +131,7 @@ def _attn_fwd(Q, K, V, OUT, LSE, SEL, BEFORE, CU_SEQLENS, CHUNK_OFFSETS, CHUNK_S
               stride_ot, stride_oh, qk_scale, n_chunks, total_len,
               H: tl.constexpr, R: tl.constexpr, C: tl.constexpr, DK: tl.constexpr,
               DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    TM: tl.constexpr = BLOCK_M if BLOCK_M < C else C
+    TM: tl.constexpr = BLOCK_M
     # Selected keys come in whole chunks: only a block wider than a chunk can run past them.
     PARTIAL: tl.constexpr = BLOCK_N > C
     hq = tl.program_id(1)
@@ -140,8 +163,9 @@ def _attn_fwd(Q, K, V, OUT, LSE, SEL, BEFORE, CU_SEQLENS, CHUNK_OFFSETS, CHUNK_S
     end = tl.minimum(start + TM, eos)
     for k0 in range(chunk_start, end, BLOCK_N):
         cols = k0 + tl.arange(0, BLOCK_N)
-        m_i, l_i, acc = _fwd_block(q, k_ptr, v_ptr, cols, cols < end,
-                                   cols[None, :] <= rows[:, None], m_i, l_i, acc,
+        visible = _own_keys_visible(rows, cols, cols < end, bos, first_chunk, BEFORE + h, H, C,
+                                    TM)
+        m_i, l_i, acc = _fwd_block(q, k_ptr, v_ptr, cols, cols < end, visible, m_i, l_i, acc,
                                    stride_kt, stride_vt, qk_scale, DK, DV, True)
 
     o = acc / l_i[:, None]
@@ -265,7 +289,7 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, SEL, BEFORE, CU_SEQLENS, CHUNK_OFF
                  total_len, H: tl.constexpr, R: tl.constexpr, C: tl.constexpr, DK: tl.constexpr,
                  DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dq of a query tile over the keys the forward pass visited."""
-    TM: tl.constexpr = BLOCK_M if BLOCK_M < C else C
+    TM: tl.constexpr = BLOCK_M
     # Selected keys come in whole chunks: only a block wider than a chunk can run past them.
     PARTIAL: tl.constexpr = BLOCK_N > C
     hq = tl.program_id(1)
@@ -295,9 +319,10 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, SEL, BEFORE, CU_SEQLENS, CHUNK_OFF
     end = tl.minimum(start + TM, eos)
     for k0 in range(chunk_start, end, BLOCK_N):
         cols = k0 + tl.arange(0, BLOCK_N)
+        visible = _own_keys_visible(rows, cols, cols < end, bos, first_chunk, BEFORE + h, H, C,
+                                    TM)
         dq = _dq_block(q, do, lse, delta, dq, k_ptr, v_ptr, cols, cols < end,
-                       (cols[None, :] <= rows[:, None]) & row_ok[:, None],
-                       stride_kt, stride_vt, qk_scale, DK, DV, True)
+                       visible & row_ok[:, None], stride_kt, stride_vt, qk_scale, DK, DV, True)
     dq_offs = rows.to(tl.int64)[:, None] * stride_dqt + tl.arange(0, DK)[None, :]
     tl.store(DQ + hq * stride_dqh + dq_offs, (dq * sm_scale).to(DQ.dtype.element_ty),
              mask=row_ok[:, None])
@@ -326,9 +351,10 @@ def _packed(x: torch.Tensor) -> torch.Tensor:
 
 
 def _grid(block: str, n_chunks: int, chunk_size: int, heads_sm: int):
-    """Launch grid: one program per tile of ``min(block, chunk)`` tokens per chunk and head."""
+    """Launch grid: per head, one program per tile of ``block`` tokens, or per chunk where
+    tiles are wider than a chunk (see :func:`_locate_tile`)."""
     def grid(meta: dict) -> tuple[int, int]:
-        return n_chunks * (chunk_size // min(meta[block], chunk_size)), heads_sm
+        return n_chunks * max(chunk_size // meta[block], 1), heads_sm
     return grid
 
 
