@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
@@ -54,10 +55,41 @@ def _generate(args: argparse.Namespace) -> int:
     from nats.trainers import generate_text
 
     model = _load(args.model_dir, args.device)
-    generator = torch.Generator(device=model.embed.weight.device).manual_seed(args.seed)
-    text = generate_text(model, args.prompt, args.max_new_tokens, do_sample=args.sample,
-                         temperature=args.temperature, top_k=args.top_k, generator=generator)
-    print(args.prompt + text)
+    device = model.embed.weight.device
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    sampling = dict(do_sample=args.sample, temperature=args.temperature, top_k=args.top_k,
+                    generator=generator)
+    if args.tokens is None:
+        print(args.prompt + generate_text(model, args.prompt, args.max_new_tokens, **sampling))
+        return 0
+    prompt = _token_ids(args.tokens, model.config.vocab_size)
+    out = model.generate(torch.tensor([prompt], device=device), args.max_new_tokens, **sampling)
+    print(" ".join(str(t) for t in out[0].tolist()))
+    return 0
+
+
+def _token_ids(text: str, vocab_size: int) -> list[int]:
+    """Token ids from ``"3 5 7"`` or ``"3,5,7"``, each inside the model's vocabulary."""
+    try:
+        ids = [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise ValueError(f"--tokens takes whole numbers separated by spaces or commas, "
+                         f"got {text!r}") from None
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if not ids or bad:
+        raise ValueError(f"--tokens needs ids in 0..{vocab_size - 1}, got {text!r}")
+    return ids
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from nats.kernels.bench import BenchShape, run_benchmark
+
+    if not torch.cuda.is_available():
+        raise ValueError("nats bench kernels needs a CUDA GPU: kernel timings under the CPU "
+                         "interpreter mean nothing")
+    shape = BenchShape(tokens=args.tokens, seq_lens=tuple(args.seq_lens),
+                       fractions=tuple(args.fractions), chunk_size=args.chunk_size)
+    run_benchmark(shape, args.out)
     return 0
 
 
@@ -70,6 +102,7 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from nats.kernels.bench import BenchShape
     from nats.trainers import PRESETS, TASKS
 
     parser = _Parser(prog="nats", description="NAtS-L: token-level hybrid attention search.")
@@ -92,9 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="continue from the newest checkpoint in the run folder")
     train.set_defaults(func=_train)
 
-    gen = sub.add_parser("generate", help="continue a prompt with a saved byte-level model")
+    gen = sub.add_parser("generate", help="continue a prompt with a saved model")
     gen.add_argument("model_dir", help="a folder written by save_pretrained (run/model)")
-    gen.add_argument("--prompt", default="def ", help="text, fed as UTF-8 bytes")
+    prompt = gen.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default="def ",
+                        help="text, fed as UTF-8 bytes (byte-level models)")
+    prompt.add_argument("--tokens", help="token ids, e.g. '3 9 4 0' (any model)")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy")
     gen.add_argument("--temperature", type=float, default=1.0)
@@ -106,6 +142,20 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="describe a saved model")
     info.add_argument("model_dir")
     info.set_defaults(func=_info)
+
+    bench = sub.add_parser("bench", help="GPU benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_target", required=True, metavar="TARGET")
+    kernels = bench_sub.add_parser(
+        "kernels", help="the mixed operator vs SDPA, FlexAttention and fla (needs a GPU)")
+    default = BenchShape()
+    kernels.add_argument("--seq-lens", type=int, nargs="+", default=list(default.seq_lens))
+    kernels.add_argument("--fractions", type=float, nargs="+", default=list(default.fractions),
+                         help="softmax fractions of the routes")
+    kernels.add_argument("--tokens", type=int, default=default.tokens, help="B*T per shape")
+    kernels.add_argument("--chunk-size", type=int, default=default.chunk_size)
+    kernels.add_argument("--out", type=Path, default=Path("bench/kernels.json"),
+                         help="JSON file of every timing")
+    kernels.set_defaults(func=_bench)
     return parser
 
 

@@ -133,9 +133,11 @@ class TrainConfig:
 
 
 def _tiny_model() -> NatsConfig:
-    return NatsConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=2,
+    # Rotary positions let the tiny model find the copy's offset within ~100 steps.
+    return NatsConfig(vocab_size=32, d_model=64, n_layers=2, n_heads=2,
                       softmax_heads_per_head=2, head_dim_k=32, head_dim_v=32, chunk_size=16,
-                      layer_types=("nats", "nats"), sampler="argmax", reg_lambda=0.0)
+                      layer_types=("nats", "nats"), sampler="argmax", reg_lambda=0.0,
+                      rope=True)
 
 
 def _small_model() -> NatsConfig:
@@ -146,9 +148,9 @@ def _small_model() -> NatsConfig:
 
 def _presets() -> dict[str, TrainConfig]:
     return {
-        # Trains on a laptop CPU in about a minute; the copy loss falls visibly.
-        "tiny": TrainConfig(model=_tiny_model(), task="copy", steps=120, batch_size=8,
-                            seq_len=64, lr=3e-3, warmup_steps=10, eval_interval=40,
+        # Trains on a laptop CPU in well under a minute and learns to copy 8 symbols.
+        "tiny": TrainConfig(model=_tiny_model(), task="copy", steps=300, batch_size=32,
+                            seq_len=17, lr=1e-2, warmup_steps=10, eval_interval=100,
                             log_interval=5, checkpoint_interval=60, out_dir="runs/tiny"),
         # Multi-query associative recall, the classic test of what a fixed state can hold.
         "mqar-small": TrainConfig(model=_small_model(), task="mqar", steps=2000,

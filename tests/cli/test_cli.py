@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from nats.cli import main
 from nats.trainers import latest_checkpoint
@@ -74,10 +75,17 @@ def test_train_info_generate(tmp_path: Path) -> None:
     described = json.loads(info.stdout)
     assert described["layer_types"] == ["nats", "nats"] and described["parameters"] > 0
 
-    gen = _nats("generate", str(run / "model"), "--prompt", "ab", "--max-new-tokens", "5",
+    gen = _nats("generate", str(run / "model"), "--tokens", "3,9 4", "--max-new-tokens", "5",
                 "--sample", "--top-k", "10")
     assert gen.returncode == 0, gen.stderr
-    assert gen.stdout.startswith("ab") and len(gen.stdout.encode()) >= 3
+    ids = [int(t) for t in gen.stdout.split()]
+    assert ids[:3] == [3, 9, 4] and len(ids) == 8
+    assert all(0 <= t < described["config"]["vocab_size"] for t in ids)
+    for bad in ("3 x", "3 32", ""):
+        refused = _nats("generate", str(run / "model"), "--tokens", bad)
+        assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    refused = _nats("generate", str(run / "model"), "--prompt", "ab")  # a 32-token model
+    assert refused.returncode == 2 and "byte-level model" in refused.stderr
 
     again = _nats("train", "--preset", "tiny", "--out", str(run))
     assert again.returncode == 2 and "--resume" in again.stderr
@@ -105,6 +113,13 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tmp_path: Path) -> None:
     assert f"resuming from {latest_checkpoint(run).parent}" in done.stdout
     assert f"steps {step} -> {step + 2}" in done.stdout
     assert (run / "model" / "model.safetensors").is_file()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on GPU-less machines")
+def test_kernel_benchmark_needs_a_gpu(capsys) -> None:
+    assert _status(["bench", "kernels", "--seq-lens", "2048"]) == 2
+    assert capsys.readouterr().err == ("nats: error: nats bench kernels needs a CUDA GPU: kernel "
+                                       "timings under the CPU interpreter mean nothing\n")
 
 
 def test_module_entry_point() -> None:

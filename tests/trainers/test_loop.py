@@ -12,7 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from nats import NatsForCausalLM
 from nats.analysis import routing_map_image
-from nats.trainers import build_batches, evaluate, latest_checkpoint, train
+from nats.trainers import build_batches, evaluate, latest_checkpoint, preset, train
 
 from .conftest import MicroConfig
 
@@ -89,6 +89,13 @@ def test_loss_falls_on_the_copy_task(micro: MicroConfig) -> None:
     losses = train(config).train_losses
     assert losses[0] > 0.9 * math.log(config.model.vocab_size)
     assert sum(losses[-5:]) / 5 < 0.65 * losses[0]
+
+
+def test_tiny_preset_learns_to_copy(tmp_path: Path) -> None:
+    """Below half of ln(symbols): the model copies, it has not merely learnt the alphabet."""
+    config = preset("tiny").replace(steps=120, eval_interval=120, out_dir=str(tmp_path))
+    result = train(config)
+    assert result.eval_metrics["eval/ce"] < 0.5 * math.log(config.copy_symbols)
 
 
 def test_exported_model_reloads_exactly(micro: MicroConfig) -> None:
