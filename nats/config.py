@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from nats.kernels.reference.chunks import CHUNK_SIZES
 
@@ -120,5 +120,10 @@ class NatsConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _fail(name: str, value: Any, allowed: str) -> None:
-    raise ConfigError(f"NatsConfig.{name} = {value!r} is invalid: must be {allowed}")
+def fail(owner: str, name: str, value: Any, allowed: str) -> NoReturn:
+    """Raise the one error message shape of every config: field, value, what is allowed."""
+    raise ConfigError(f"{owner}.{name} = {value!r} is invalid: must be {allowed}")
+
+
+def _fail(name: str, value: Any, allowed: str) -> NoReturn:
+    fail("NatsConfig", name, value, allowed)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
-from nats.config import ConfigError, NatsConfig
+from nats.config import ConfigError, NatsConfig, fail
 
 from .checkpoint import latest_checkpoint, read_checkpoint_meta
 
@@ -22,8 +22,8 @@ DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 DEVICES = "'auto', 'cpu', 'cuda' or 'cuda:N'"
 
 
-def _fail(name: str, value: Any, allowed: str) -> None:
-    raise ConfigError(f"TrainConfig.{name} = {value!r} is invalid: must be {allowed}")
+def _fail(name: str, value: Any, allowed: str) -> NoReturn:
+    fail("TrainConfig", name, value, allowed)
 
 
 @dataclass(frozen=True)
