@@ -93,6 +93,13 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_decode(args: argparse.Namespace) -> int:
+    from nats.decode_benchmark import run_decode_benchmark
+
+    run_decode_benchmark(args.context, tuple(args.fractions), args.steps, args.out)
+    return 0
+
+
 def _info(args: argparse.Namespace) -> int:
     model = _load(args.model_dir, "cpu")
     print(json.dumps({"parameters": sum(p.numel() for p in model.parameters()),
@@ -156,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     kernels.add_argument("--out", type=Path, default=Path("bench/kernels.json"),
                          help="JSON file of every timing")
     kernels.set_defaults(func=_bench)
+    decode = bench_sub.add_parser(
+        "decode", help="ms per token against a long hybrid cache vs a full KV cache (GPU)")
+    decode.add_argument("--context", type=int, default=8192, help="prefilled tokens")
+    decode.add_argument("--fractions", type=float, nargs="+", default=[0.125, 0.25, 1.0])
+    decode.add_argument("--steps", type=int, default=64, help="timed decode steps")
+    decode.add_argument("--out", type=Path, default=Path("bench/decode.json"))
+    decode.set_defaults(func=_bench_decode)
     return parser
 
 

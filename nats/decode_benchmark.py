@@ -1,0 +1,65 @@
+"""`nats bench decode`: milliseconds per generated token against a long hybrid cache.
+
+One layer at the kernel benchmark's width, prefilled with ``context`` tokens, then timed
+for ``steps`` single-token decode steps with CUDA events. A plain softmax layer with a
+full KV cache is measured beside NAtS-L layers forced to several softmax fractions, so
+both the time and the cache size can be compared in one run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .config import NatsConfig
+from .model import NatsForCausalLM
+
+
+def decode_config(**changes) -> NatsConfig:
+    """16 routing heads, linear heads of 128, r = 2 softmax heads of 64 (issue 3's shape)."""
+    base = NatsConfig(vocab_size=256, d_model=2048, n_layers=1, n_heads=16,
+                      softmax_heads_per_head=2, head_dim_k=128, head_dim_v=128, chunk_size=64,
+                      layer_types=("nats",))
+    return base.replace(**changes)
+
+
+def time_decode(model: NatsForCausalLM, context: int, steps: int, device: torch.device,
+                ) -> tuple[float, int]:
+    """Mean milliseconds per decode step after warm-up, and the cache's KV bytes."""
+    ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
+    _, cache = model.prefill(ids)
+    token = ids[:, -1]
+    for _ in range(5):
+        model.decode_step(token, cache)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        model.decode_step(token, cache)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps, cache.kv_bytes()
+
+
+def run_decode_benchmark(context: int, fractions: tuple[float, ...], steps: int,
+                         out_json: Path | None) -> list[dict]:
+    if not torch.cuda.is_available():
+        raise ValueError("nats bench decode needs a CUDA GPU")
+    device = torch.device("cuda")
+    cases = [("softmax", None)] + [("nats", f) for f in fractions]
+    rows = []
+    for kind, fraction in cases:
+        torch.manual_seed(0)
+        model = NatsForCausalLM(decode_config(layer_types=(kind,))).to(device, torch.bfloat16)
+        model.eval().set_route_override(fraction)
+        ms, kv = time_decode(model, context, steps, device)
+        rows.append({"layer": kind, "softmax_fraction": 1.0 if fraction is None else fraction,
+                     "context": context, "ms_per_token": ms, "kv_bytes": kv})
+        print(f"{kind:>8} frac {rows[-1]['softmax_fraction']:5.3f}: {ms:7.3f} ms/token, "
+              f"KV cache {kv / 2**20:8.1f} MiB")
+    if out_json is not None:
+        out_json.parent.mkdir(parents=True, exist_ok=True)
+        out_json.write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                        "rows": rows}, indent=2) + "\n")
+    return rows
