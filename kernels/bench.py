@@ -181,18 +181,28 @@ def run_benchmark(shape: BenchShape, out_json: Path | None) -> list[BenchRow]:
         raise RuntimeError("the kernel benchmark needs a CUDA GPU (timings on the CPU "
                            "interpreter mean nothing)")
     device = torch.device("cuda")
-    rows = []
+    rows: list[BenchRow] = []
     for seq_len in shape.seq_lens:
-        rows.extend(bench_seq_len(shape, seq_len, device))
+        new = bench_seq_len(shape, seq_len, device)
+        rows.extend(new)
         torch.cuda.empty_cache()
-    print(format_table(rows))
-    if out_json is not None:
-        out_json.parent.mkdir(parents=True, exist_ok=True)
-        out_json.write_text(json.dumps({
-            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": __import__("triton").__version__, "shape": asdict(shape),
-            "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
+        # Written after every length, so an interrupted run keeps what it measured.
+        print(format_table(new), flush=True)
+        if out_json is not None:
+            _write_json(out_json, shape, rows)
     return rows
+
+
+def _write_json(path: Path, shape: BenchShape, rows: list[BenchRow]) -> None:
+    import triton
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "triton": triton.__version__, "shape": asdict(shape),
+        "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
+    tmp.replace(path)
 
 
 def format_table(rows: list[BenchRow]) -> str:
