@@ -11,8 +11,8 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.mark.parametrize("chunk_size", [64, 128])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("chunk_size", "dtype"), [(64, torch.float32), (128, torch.bfloat16)],
+                         ids=["c64-fp32", "c128-bf16"])
 def test_triton_backend_matches_reference_forward_and_gradients(chunk_size, dtype):
     cfg = NatsConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, softmax_heads_per_head=2,
                      head_dim_k=64, head_dim_v=64, chunk_size=chunk_size,
