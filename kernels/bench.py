@@ -169,9 +169,10 @@ def _flex_softmax(sm: list[torch.Tensor], routes: torch.Tensor, shape: BenchShap
         own = (q_chunk == kv_chunk) & (kv_idx <= q_idx)
         return own | ((kv_chunk < q_chunk) & is_sm[b, kv_chunk, h // r])
 
-    # Compiled, so the mask is evaluated block by block, never as a dense [B, H, T, T].
+    # Compiled, so the mask is evaluated block by block, never as a dense [B, H, T, T];
+    # blocks of one chunk, so that every block is wholly visible or wholly masked.
     block_mask = create_block_mask(mask_mod, batch, heads, seq_len, seq_len,
-                                   device=sm[0].device, _compile=True)
+                                   device=sm[0].device, BLOCK_SIZE=c, _compile=True)
     compiled = torch.compile(flex_attention)
     q, k, v = (t.transpose(1, 2) for t in sm)
     return lambda: compiled(q, k, v, block_mask=block_mask)
