@@ -175,7 +175,9 @@ def _flex_softmax(sm: list[torch.Tensor], routes: torch.Tensor, shape: BenchShap
                                    device=sm[0].device, BLOCK_SIZE=c, _compile=True)
     compiled = torch.compile(flex_attention)
     q, k, v = (t.transpose(1, 2) for t in sm)
-    return lambda: compiled(q, k, v, block_mask=block_mask)
+    tiles = {name: c for name in ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2",
+                                  "BLOCK_N2")}  # kernel tiles must divide the mask blocks
+    return lambda: compiled(q, k, v, block_mask=block_mask, kernel_options=tiles)
 
 
 def run_benchmark(shape: BenchShape, out_json: Path | None) -> list[BenchRow]:

@@ -20,7 +20,11 @@ def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with a learned per-channel scale (shared across heads when applied per head)."""
+    """RMSNorm with a learned per-channel scale (shared across heads when applied per head).
+
+    The output keeps the input's dtype: under autocast a float32 weight would otherwise
+    promote bf16 activations, and the kernels need q, k and v in one dtype.
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -28,7 +32,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.eps) * self.weight
+        return (rms_norm(x, self.eps) * self.weight).to(x.dtype)
 
 
 def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
