@@ -110,14 +110,19 @@ class NatsConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> NatsConfig:
         """Build from a JSON-like dict; unknown keys are an error, not silently dropped."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ConfigError(f"unknown NatsConfig field(s) {unknown}; known: {sorted(known)}")
+        reject_unknown_fields(cls, d)
         return cls(**d)
 
     def replace(self, **changes: Any) -> NatsConfig:
         return dataclasses.replace(self, **changes)
+
+
+def reject_unknown_fields(cls: type, data: dict[str, Any]) -> None:
+    """A saved or hand-written config with a misspelt key fails instead of being ignored."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown {cls.__name__} field(s) {unknown}; known: {sorted(known)}")
 
 
 def fail(owner: str, name: str, value: Any, allowed: str) -> NoReturn:

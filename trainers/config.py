@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from nats.config import ConfigError, NatsConfig, fail
+from nats.config import ConfigError, NatsConfig, fail, reject_unknown_fields
 
 from .checkpoint import latest_checkpoint, read_checkpoint_meta
 
@@ -120,10 +120,7 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         """Build from :meth:`to_dict` output; unknown keys are an error, not ignored."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ConfigError(f"unknown TrainConfig field(s) {unknown}; known: {sorted(names)}")
+        reject_unknown_fields(cls, data)
         if "model" not in data:
             _fail("model", None, "a NatsConfig dict")
         values = dict(data)
