@@ -174,14 +174,15 @@ class NatsForCausalLM(nn.Module):
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike,
                         device: str | torch.device = "cpu") -> NatsForCausalLM:
-        """Restore a model written by :meth:`save_pretrained` (no pickle is loaded)."""
+        """Restore a model written by :meth:`save_pretrained`, in the dtype it was saved in
+        (no pickle is loaded)."""
         directory = Path(directory)
         for name in (CONFIG_FILE, WEIGHTS_FILE):
             if not (directory / name).is_file():
                 raise FileNotFoundError(f"{directory} is not a saved nats model: no {name}")
         config = NatsConfig.from_dict(json.loads((directory / CONFIG_FILE).read_text()))
-        model = cls(config)
         state = load_file(str(directory / WEIGHTS_FILE), device=str(device))
+        model = cls(config).to(state["embed.weight"].dtype)
         if config.tie_embeddings and "embed.weight" in state:
             state["lm_head.weight"] = state["embed.weight"]
         model.load_state_dict(state)

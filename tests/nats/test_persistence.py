@@ -1,0 +1,40 @@
+"""save_pretrained / from_pretrained: config.json + model.safetensors, restored exactly."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from nats import NatsForCausalLM
+
+from .models import tiny_model
+
+
+@pytest.mark.parametrize("tie_embeddings", [True, False])
+def test_round_trip_restores_config_weights_and_outputs(tmp_path, tie_embeddings):
+    model = tiny_model(("nats", "gdn", "softmax"), tie_embeddings=tie_embeddings, rope=True)
+    model.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    assert json.loads((tmp_path / "config.json").read_text()) == model.config.to_dict()
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    assert ("lm_head.weight" in stored) == (not tie_embeddings)
+
+    loaded = NatsForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.embed.weight.dtype == torch.float64
+    assert loaded.config == model.config
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items(),
+                                 strict=True):
+        assert torch.equal(a, b), name
+    assert (loaded.lm_head.weight is loaded.embed.weight) == tie_embeddings
+    ids = torch.randint(0, 50, (2, 40), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_loading_a_folder_that_is_not_a_model_says_what_is_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
+        NatsForCausalLM.from_pretrained(tmp_path)
+    tiny_model().save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"no model\.safetensors"):
+        NatsForCausalLM.from_pretrained(tmp_path)
