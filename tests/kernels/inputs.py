@@ -72,6 +72,24 @@ def rel_rms_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).square().mean().sqrt() / rms).item()
 
 
+def check(got: torch.Tensor, want: torch.Tensor, tol: float, name: str) -> None:
+    """Relative RMS error within ``tol``; where the expected tensor is all zero (a selected
+    route gradient with no chunk of that kind, a zero final state), exactly zero."""
+    if not want.any():
+        assert not got.any(), name
+        return
+    err = rel_rms_error(got, want)
+    assert err <= tol, f"{name}: relative RMS error {err:.2e}"
+
+
+def routes_with_softmax_fraction(batch: int, n_chunks: int, heads: int, frac: float,
+                                 seed: int = 0) -> torch.Tensor:
+    """Each chunk softmax with probability ``frac``, independently."""
+    gen = torch.Generator().manual_seed(seed)
+    choice = (torch.rand(batch, n_chunks, heads, generator=gen) >= frac).long()
+    return F.one_hot(choice, 2).float()  # index 1 (linear) where the draw exceeds frac
+
+
 def grads(outputs: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...],
           seed: int = 1) -> tuple[torch.Tensor, ...]:
     """Gradients w.r.t. ``inputs`` of ``sum_i <outputs_i, c_i>``, ``c_i`` seeded random.

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from nats.kernels import LINEAR, SOFTMAX, hybrid_gated_delta_rule, num_chunks
 from nats.kernels import reference as ref
 from nats.kernels.triton import utils
 from nats.kernels.triton.gated_delta_rule import hybrid_gated_delta_rule as triton_gdr
 
-from .inputs import gdr_inputs, make_routes, rel_rms_error
+from .inputs import check, gdr_inputs, make_routes, routes_with_softmax_fraction
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -69,21 +68,6 @@ def compare(x: dict[str, torch.Tensor], routes: torch.Tensor, chunk_size: int,
             assert not got[..., SOFTMAX].any()
             got, want = got[..., LINEAR], want[..., LINEAR]
         check(got, want, grad_tol, f"d{name}")
-
-
-def check(got: torch.Tensor, want: torch.Tensor, tol: float, name: str) -> None:
-    if not want.any():  # e.g. no linear chunk: zero route gradient, or a zero final state
-        assert not got.any(), name
-        return
-    err = rel_rms_error(got, want)
-    assert err <= tol, f"{name}: relative RMS error {err:.2e}"
-
-
-def routes_with_softmax_fraction(batch: int, n_chunks: int, heads: int, frac: float,
-                                 seed: int = 0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    choice = (torch.rand(batch, n_chunks, heads, generator=gen) >= frac).long()
-    return F.one_hot(choice, 2).float()  # index 1 (linear) where the draw exceeds frac
 
 
 CPU_CASES = [
