@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Literal
 
@@ -44,6 +45,31 @@ def check_routes(routes: torch.Tensor, batch: int, seq_len: int, chunk_size: int
     if heads is not None and routes.shape[2] != heads:
         raise ValueError(f"routes has {routes.shape[2]} routing heads, expected {heads}")
     return routes.shape[2]
+
+
+def packed_lengths(cu_seqlens: torch.Tensor, batch: int, total: int) -> list[int]:
+    """Check packed-batch offsets (FlashAttention convention); return the sequence lengths."""
+    if batch != 1:
+        raise ValueError(f"cu_seqlens needs a batch of 1 (sequences packed along T), got {batch}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+        raise ValueError(f"cu_seqlens must be 1-D integer offsets [n_seq + 1], got "
+                         f"{cu_seqlens.dtype} {list(cu_seqlens.shape)}")
+    offsets = cu_seqlens.tolist()
+    lengths = [b - a for a, b in itertools.pairwise(offsets)]
+    if offsets[0] != 0 or offsets[-1] != total or min(lengths) <= 0:
+        raise ValueError(f"cu_seqlens must rise strictly from 0 to T={total}, got {offsets}")
+    return lengths
+
+
+def packed_chunk_counts(routes: torch.Tensor, lengths: list[int], chunk_size: int) -> list[int]:
+    """Chunks of each packed sequence, after checking routes is ``[1, N_total, H, 2]``."""
+    check_chunk_size(chunk_size)
+    counts = [num_chunks(n, chunk_size) for n in lengths]
+    if routes.dim() != 4 or routes.shape[0] != 1 or routes.shape[1] != sum(counts) \
+            or routes.shape[3] != 2:
+        raise ValueError(f"routes must be [1, {sum(counts)}, H, 2] for sequences of lengths "
+                         f"{lengths} in chunks of {chunk_size}, got {list(routes.shape)}")
+    return counts
 
 
 def route_weight(route: torch.Tensor, route_grad: RouteGrad) -> torch.Tensor:

@@ -17,8 +17,6 @@ so every chunk decays the carried state, and only the write is weighted by the r
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +27,8 @@ from .chunks import (
     check_routes,
     compute_dtype,
     num_chunks,
+    packed_chunk_counts,
+    packed_lengths,
     route_weight,
 )
 
@@ -105,12 +105,8 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
             route_grad: RouteGrad, cu_seqlens: torch.Tensor,
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The packed batch, one sequence at a time through the dense path (obviously right)."""
-    lengths = sequence_lengths(cu_seqlens, q.shape[0], q.shape[1])
-    check_chunk_size(chunk_size)
-    counts = [num_chunks(n, chunk_size) for n in lengths]
-    if routes.dim() != 4 or routes.shape[0] != 1 or routes.shape[1] != sum(counts):
-        raise ValueError(f"routes must be [1, {sum(counts)}, H, 2] for these cu_seqlens and "
-                         f"chunk_size={chunk_size}, got {list(routes.shape)}")
+    lengths = packed_lengths(cu_seqlens, q.shape[0], q.shape[1])
+    counts = packed_chunk_counts(routes, lengths, chunk_size)
     if initial_state is not None and initial_state.shape[0] != len(lengths):
         raise ValueError(f"initial_state must have one state per sequence ({len(lengths)}), "
                          f"got {list(initial_state.shape)}")
@@ -138,20 +134,6 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     routes[..., LINEAR] = 1
     return hybrid_gated_delta_rule(q, k, v, g, beta, routes, chunk_size, scale, initial_state,
                                    output_final_state)
-
-
-def sequence_lengths(cu_seqlens: torch.Tensor, batch: int, total: int) -> list[int]:
-    """Check packed-batch offsets (FlashAttention convention); return the sequence lengths."""
-    if batch != 1:
-        raise ValueError(f"cu_seqlens needs a batch of 1 (sequences packed along T), got {batch}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
-        raise ValueError(f"cu_seqlens must be 1-D integer offsets [n_seq + 1], got "
-                         f"{cu_seqlens.dtype} {list(cu_seqlens.shape)}")
-    offsets = cu_seqlens.tolist()
-    lengths = [b - a for a, b in itertools.pairwise(offsets)]
-    if offsets[0] != 0 or offsets[-1] != total or min(lengths) <= 0:
-        raise ValueError(f"cu_seqlens must rise strictly from 0 to T={total}, got {offsets}")
-    return lengths
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -8,8 +8,6 @@ route gradient directly. Memory is ``O(T^2)``: this is the reference, not the fa
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from .chunks import (
@@ -19,7 +17,8 @@ from .chunks import (
     check_routes,
     chunk_ids,
     compute_dtype,
-    num_chunks,
+    packed_chunk_counts,
+    packed_lengths,
     route_weight,
     weighted_exp,
 )
@@ -95,17 +94,8 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, routes: torch.Ten
             cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Packed sequences: the dense operator on each sequence, outputs concatenated."""
     _check_qkv(q, k, v)
-    if q.shape[0] != 1 or cu_seqlens.dim() != 1:
-        raise ValueError(f"cu_seqlens needs B == 1 and shape [n_seq+1]; got q {list(q.shape)}, "
-                         f"cu_seqlens {list(cu_seqlens.shape)}")
-    bounds = cu_seqlens.tolist()
-    if bounds[0] != 0 or bounds[-1] != q.shape[1] or sorted(bounds) != bounds:
-        raise ValueError(f"cu_seqlens must rise from 0 to T={q.shape[1]}, got {bounds}")
-    lengths = [b - a for a, b in itertools.pairwise(bounds)]
-    chunks = [num_chunks(n, chunk_size) for n in lengths]
-    if routes.dim() != 4 or routes.shape[0] != 1 or routes.shape[1] != sum(chunks):
-        raise ValueError(f"routes must be [1, {sum(chunks)}, H, 2] for sequences of lengths "
-                         f"{lengths} in chunks of {chunk_size}, got {list(routes.shape)}")
+    lengths = packed_lengths(cu_seqlens, q.shape[0], q.shape[1])
+    chunks = packed_chunk_counts(routes, lengths, chunk_size)
     outs = [hybrid_softmax_attention(qs, ks, vs, rs, chunk_size, scale, route_grad=route_grad)
             for qs, ks, vs, rs in zip(q.split(lengths, 1), k.split(lengths, 1),
                                       v.split(lengths, 1), routes.split(chunks, 1), strict=True)]
