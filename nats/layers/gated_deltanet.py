@@ -10,11 +10,12 @@ from torch import nn
 
 from nats.cache import DeltaLayerCache
 from nats.config import NatsConfig
-from nats.kernels import LINEAR, hybrid_gated_delta_rule, num_chunks
+from nats.kernels import hybrid_gated_delta_rule, num_chunks
 from nats.kernels.decode import gated_delta_rule_step
 
 from .norms import l2_norm, rms_norm, upcast
 from .projections import GatedOutput, QKVProjection
+from .routing import forced_routes
 
 
 class DeltaGates(nn.Module):
@@ -39,9 +40,14 @@ class DeltaGates(nn.Module):
 
 def all_linear_routes(batch: int, seq_len: int, chunk_size: int, heads: int,
                       device: torch.device) -> torch.Tensor:
-    routes = torch.zeros(batch, num_chunks(seq_len, chunk_size), heads, 2, device=device)
-    routes[..., LINEAR] = 1
-    return routes
+    """Every chunk writes to the state: what plain Gated DeltaNet is."""
+    return forced_routes("linear", batch, 0, num_chunks(seq_len, chunk_size), heads, device)
+
+
+def linear_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int):
+    """``[B, T, H*D]`` projections as linear heads ``[B, T, H, D]``, q and k L2-normalised."""
+    shape = (*q.shape[:2], heads, -1)
+    return l2_norm(q.view(shape)), l2_norm(k.view(shape)), v.view(shape)
 
 
 class GatedDeltaNet(nn.Module):
@@ -55,12 +61,8 @@ class GatedDeltaNet(nn.Module):
         self.gates = DeltaGates(cfg.d_model, h)
         self.out = GatedOutput(cfg.d_model, h, dv)
 
-    def _heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        shape = (*q.shape[:2], self.cfg.n_heads, -1)
-        return l2_norm(q.view(shape)), l2_norm(k.view(shape)), v.view(shape)
-
     def _mix(self, x: torch.Tensor, qkv, initial_state=None):
-        q, k, v = self._heads(*qkv)
+        q, k, v = linear_heads(*qkv, self.cfg.n_heads)
         g, beta = self.gates(x)
         routes = all_linear_routes(x.shape[0], x.shape[1], self.cfg.chunk_size, self.cfg.n_heads,
                                    x.device)
@@ -79,7 +81,7 @@ class GatedDeltaNet(nn.Module):
 
     def step(self, x: torch.Tensor, cache: DeltaLayerCache, position: int) -> torch.Tensor:
         qkv, cache.conv = self.qkv.step(x, cache.conv)
-        q, k, v = self._heads(*qkv)
+        q, k, v = linear_heads(*qkv, self.cfg.n_heads)
         g, beta = self.gates(x)
         o, cache.state = gated_delta_rule_step(cache.state, q[:, 0], k[:, 0], v[:, 0], g[:, 0],
                                                beta[:, 0], self.cfg.head_dim_k**-0.5)

@@ -19,8 +19,8 @@ from nats.config import NatsConfig
 from nats.kernels import SOFTMAX, hybrid_gated_delta_rule, hybrid_softmax_attention
 from nats.kernels.decode import gated_delta_rule_step, hybrid_attention_decode
 
-from .gated_deltanet import DeltaGates, all_linear_routes
-from .norms import RMSNorm, l2_norm, rms_norm, upcast
+from .gated_deltanet import DeltaGates, all_linear_routes, linear_heads
+from .norms import RMSNorm, rms_norm, upcast
 from .projections import GatedOutput, QKVProjection
 from .rotary import apply_rotary
 from .routing import (
@@ -77,10 +77,6 @@ class NatsAttention(nn.Module):
                                                                                 cfg.rope_theta)
         return qs, ks, v.view(shape)
 
-    def _linear_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        shape = (*q.shape[:2], self.cfg.n_heads, -1)
-        return l2_norm(q.view(shape)), l2_norm(k.view(shape)), v.view(shape)
-
     def _route(self, pooled: torch.Tensor, first_chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Routes and scorer probabilities for chunks ``first_chunk ..`` from pooled inputs."""
         logits = self.scorer(pooled)
@@ -119,7 +115,7 @@ class NatsAttention(nn.Module):
         q, k, v = qkv
         routes, probs = self._route(chunk_mean_pool(x, c), 0)
         qs, ks, vs = self._softmax_heads(q, k, v, torch.arange(seq_len, device=x.device))
-        ql, kl, vl = self._linear_heads(q, k, v)
+        ql, kl, vl = linear_heads(q, k, v, self.cfg.n_heads)
         g, beta = self.gates(x)
         o_sm = hybrid_softmax_attention(qs, ks, vs, routes, c, backend=cfg.backend)
         if cache_conv is None:
@@ -127,8 +123,8 @@ class NatsAttention(nn.Module):
             cache = None
         else:
             o_la, state, snapshot = self._prefill_linear(ql, kl, vl, g, beta, routes)
-            done = seq_len // c * c
-            store_k, store_v, store_chunks = self._pack_store(ks, vs, routes, seq_len // c)
+            done = seq_len // c * c  # tokens in finished chunks
+            store_k, store_v, store_chunks = self._pack_store(ks, vs, routes, done // c)
             cache = NatsLayerCache(
                 conv=cache_conv, state=state, snapshot=snapshot,
                 chunk_log_decay=g[:, done:].sum(1), chunk_k=ks[:, done:].transpose(1, 2),
@@ -200,7 +196,7 @@ class NatsAttention(nn.Module):
         cfg = self.cfg
         (q, k, v), cache.conv = self.qkv.step(x, cache.conv)
         qs, ks, vs = self._softmax_heads(q, k, v, torch.tensor([position], device=x.device))
-        ql, kl, vl = self._linear_heads(q, k, v)
+        ql, kl, vl = linear_heads(q, k, v, self.cfg.n_heads)
         g, beta = self.gates(x)
         o_la, cache.state = gated_delta_rule_step(cache.state, ql[:, 0], kl[:, 0], vl[:, 0],
                                                   g[:, 0], beta[:, 0], cfg.head_dim_k**-0.5)
