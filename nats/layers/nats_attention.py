@@ -67,14 +67,13 @@ class NatsAttention(nn.Module):
 
     # -- pieces shared by the parallel form and decoding ---------------------------------
 
-    def _softmax_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       positions: torch.Tensor):
+    def _softmax_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int):
         cfg = self.cfg
         shape = (*q.shape[:2], cfg.n_heads * cfg.softmax_heads_per_head, -1)
         qs, ks = self.q_norm(q.view(shape)), self.k_norm(k.view(shape))
         if cfg.rope:
-            qs, ks = apply_rotary(qs, positions, cfg.rope_theta), apply_rotary(ks, positions,
-                                                                                cfg.rope_theta)
+            qs = apply_rotary(qs, start, cfg.rope_theta)
+            ks = apply_rotary(ks, start, cfg.rope_theta)
         return qs, ks, v.view(shape)
 
     def _route(self, pooled: torch.Tensor, first_chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,7 +113,7 @@ class NatsAttention(nn.Module):
         seq_len = x.shape[1]
         q, k, v = qkv
         routes, probs = self._route(chunk_mean_pool(x, c), 0)
-        qs, ks, vs = self._softmax_heads(q, k, v, torch.arange(seq_len, device=x.device))
+        qs, ks, vs = self._softmax_heads(q, k, v, 0)
         ql, kl, vl = linear_heads(q, k, v, self.cfg.n_heads)
         g, beta = self.gates(x)
         o_sm = hybrid_softmax_attention(qs, ks, vs, routes, c, backend=cfg.backend)
@@ -195,7 +194,7 @@ class NatsAttention(nn.Module):
         """One token ``x`` ``[B, 1, D]`` at ``position``; updates ``cache`` in place."""
         cfg = self.cfg
         (q, k, v), cache.conv = self.qkv.step(x, cache.conv)
-        qs, ks, vs = self._softmax_heads(q, k, v, torch.tensor([position], device=x.device))
+        qs, ks, vs = self._softmax_heads(q, k, v, position)
         ql, kl, vl = linear_heads(q, k, v, self.cfg.n_heads)
         g, beta = self.gates(x)
         o_la, cache.state = gated_delta_rule_step(cache.state, ql[:, 0], kl[:, 0], vl[:, 0],

@@ -1,4 +1,4 @@
-"""Rotary position embedding (half-split layout) at explicit positions."""
+"""Rotary position embedding (half-split layout) from an explicit first position."""
 
 from __future__ import annotations
 
@@ -7,15 +7,16 @@ import torch
 from .norms import upcast
 
 
-def apply_rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate ``x`` ``[B, T, heads, D]`` by the angles of ``positions`` ``[T]``.
+def apply_rotary(x: torch.Tensor, start: int, theta: float) -> torch.Tensor:
+    """Rotate ``x`` ``[B, T, heads, D]`` as tokens ``start .. start + T - 1``.
 
-    Positions are explicit so that a decode step at position ``p`` matches the
+    The first position is explicit so that a decode step at position ``p`` matches the
     parallel form exactly.
     """
     half = x.shape[-1] // 2
     inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
-    angles = positions.float()[:, None] * inv_freq[None, :]  # [T, half]
+    positions = torch.arange(start, start + x.shape[1], device=x.device, dtype=torch.float32)
+    angles = positions[:, None] * inv_freq[None, :]  # [T, half]
     cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
     x1, x2 = upcast(x)[..., :half], upcast(x)[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)

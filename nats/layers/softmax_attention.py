@@ -31,20 +31,20 @@ class SoftmaxAttention(nn.Module):
         self.q_norm, self.k_norm = RMSNorm(dk, cfg.norm_eps), RMSNorm(dk, cfg.norm_eps)
         self.out = nn.Linear(self.heads * dv, cfg.d_model, bias=False)
 
-    def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
+    def _qkv(self, x: torch.Tensor, start: int):
         q, k, v = self.qkv(x).split(self.dims, -1)
         shape = (*x.shape[:2], self.heads, -1)
         q, k = self.q_norm(q.view(shape)), self.k_norm(k.view(shape))
         if self.cfg.rope:
-            q = apply_rotary(q, positions, self.cfg.rope_theta)
-            k = apply_rotary(k, positions, self.cfg.rope_theta)
+            q = apply_rotary(q, start, self.cfg.rope_theta)
+            k = apply_rotary(k, start, self.cfg.rope_theta)
         return q, k, v.view(shape)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
         return self.prefill(x)[0], None
 
     def prefill(self, x: torch.Tensor) -> tuple[torch.Tensor, None, SoftmaxLayerCache]:
-        q, k, v = self._qkv(x, torch.arange(x.shape[1], device=x.device))
+        q, k, v = self._qkv(x, 0)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                            v.transpose(1, 2), is_causal=True)
         cache = SoftmaxLayerCache(k=k.transpose(1, 2).contiguous(),
@@ -52,7 +52,7 @@ class SoftmaxAttention(nn.Module):
         return self.out(o.transpose(1, 2).flatten(2)), None, cache
 
     def step(self, x: torch.Tensor, cache: SoftmaxLayerCache, position: int) -> torch.Tensor:
-        q, k, v = self._qkv(x, torch.tensor([position], device=x.device))
+        q, k, v = self._qkv(x, position)
         cache.append(k[:, 0], v[:, 0])
         n = cache.length
         o = decode_attention(q[:, 0], [cache.k[:, :, :n]], [cache.v[:, :, :n]],
