@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import nn
 
+from .atomic_write import atomic_write_bytes
 from .cache import HybridCache
 from .config import NatsConfig
 from .layers.gated_deltanet import GatedDeltaNet
@@ -160,16 +161,12 @@ class NatsForCausalLM(nn.Module):
     def save_pretrained(self, directory: str | os.PathLike) -> None:
         """Write ``config.json`` and ``model.safetensors``, each atomically."""
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / (CONFIG_FILE + ".tmp")
-        tmp.write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
-        os.replace(tmp, directory / CONFIG_FILE)
+        atomic_write_bytes(directory / CONFIG_FILE,
+                           (json.dumps(self.config.to_dict(), indent=2) + "\n").encode())
         # Tied weights share storage, which safetensors refuses: store the embedding once.
         state = {k: v.detach().contiguous() for k, v in self.state_dict().items()
                  if not (self.config.tie_embeddings and k == "lm_head.weight")}
-        tmp = directory / (WEIGHTS_FILE + ".tmp")
-        save_file(state, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, directory / WEIGHTS_FILE)
+        atomic_write_bytes(directory / WEIGHTS_FILE, save(state, metadata={"format": "pt"}))
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike,

@@ -10,9 +10,7 @@ folder and renamed into place, so a crash leaves either the old or the new file.
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,24 +19,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
+from nats.atomic_write import atomic_write_bytes
+
 FORMAT = "nats-checkpoint-1"
 _NAME = re.compile(r"^step_(\d+)\.safetensors$")
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers never see a partial file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def checkpoint_dir(out_dir: str | Path) -> Path:

@@ -22,9 +22,9 @@ from tqdm import tqdm
 
 from nats import NatsForCausalLM
 from nats.analysis.routing_maps import routing_map_image
+from nats.atomic_write import atomic_write_bytes
 
 from .checkpoint import (
-    atomic_write_bytes,
     latest_checkpoint,
     load_checkpoint,
     read_checkpoint_meta,
@@ -169,11 +169,11 @@ def train(config: TrainConfig, *, resume: bool = False,
     model = NatsForCausalLM(config.model).to(device)
     optimizer = build_optimizer(model, config)
     step = _start_or_resume(config, resume, model, optimizer)
-    atomic_write_bytes(out_dir / "train_config.json",
-                       json.dumps(config.to_dict(), indent=2).encode())
+    config_json = json.dumps(config.to_dict(), indent=2)
+    atomic_write_bytes(out_dir / "train_config.json", config_json.encode())
     writer = SummaryWriter(str(out_dir), purge_step=step if step else None)
     if step == 0:
-        writer.add_text("config", f"```\n{json.dumps(config.to_dict(), indent=2)}\n```", 0)
+        writer.add_text("config", f"```\n{config_json}\n```", 0)
 
     losses: list[float] = []
     eval_metrics: dict[str, float] = {}

@@ -10,8 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nats import NatsForCausalLM
+from nats.atomic_write import atomic_write_bytes
 from nats.trainers import build_batches, latest_checkpoint, load_checkpoint, save_checkpoint
-from nats.trainers.checkpoint import atomic_write_bytes, list_checkpoints, read_checkpoint_meta
+from nats.trainers.checkpoint import list_checkpoints, read_checkpoint_meta
 from nats.trainers.optim import build_optimizer
 
 from .conftest import MicroConfig
