@@ -108,6 +108,24 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from nats.export import export_architecture
+
+    result = export_architecture(args.source, args.out, weights=not args.no_weights,
+                                 plain_layers=args.plain_layers, eval_batches=args.eval_batches,
+                                 device=args.device, force=args.force)
+    print(f"nats: exported {result.origin}")
+    for i, trained in enumerate(result.trained_layer_types):
+        f = result.fractions.get(i)
+        kind = result.config.layer_types[i]
+        measured = (f"softmax fraction {f.overall:.3f} (heads "
+                    f"{' '.join(f'{x:.3f}' for x in f.per_head)}), {f.kind}" if f else "")
+        became = f" -> {kind} (mixer freshly initialised)" if i in result.converted else ""
+        print(f"  layer {i}: {trained}{became}" + (f", {measured}" if measured else ""))
+    print(f"nats: wrote {', '.join(p.name for p in result.files)} to {result.out_dir}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from nats.kernels.bench import BenchShape
     from nats.trainers import PRESETS, TASKS
@@ -149,6 +167,26 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="describe a saved model")
     info.add_argument("model_dir")
     info.set_defaults(func=_info)
+
+    export = sub.add_parser(
+        "export", help="write a run's architecture, weights and a README to a model folder")
+    export.add_argument("source", metavar="RUN_OR_CHECKPOINT",
+                        help="a run folder (its model/, else its newest checkpoint) or a "
+                             "checkpoint file")
+    export.add_argument("--out", required=True, help="folder to write (absent or empty)")
+    export.add_argument("--no-weights", action="store_true",
+                        help="write config.json and README.md only")
+    export.add_argument("--plain-layers", action="store_true",
+                        help="export NAtS-L layers routed all-softmax / all-linear on the "
+                             "evaluation data as softmax / Gated DeltaNet layers (their "
+                             "mixers freshly initialised)")
+    export.add_argument("--eval-batches", type=int,
+                        help="evaluation batches to measure routes on (default: the run's; "
+                             "0: do not measure)")
+    export.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:N")
+    export.add_argument("--force", action="store_true",
+                        help="write into a non-empty --out, replacing the exported files")
+    export.set_defaults(func=_export)
 
     bench = sub.add_parser("bench", help="GPU benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_target", required=True, metavar="TARGET")

@@ -16,6 +16,9 @@ from nats.kernels.reference.chunks import CHUNK_SIZES
 
 LAYER_TYPES = ("nats", "gdn", "softmax")
 SAMPLERS = ("argmax", "gumbel")
+LAYER_LISTS = {"softmax_layers": "softmax", "linear_layers": "gdn", "hybrid_layers": "nats"}
+"""Keys of the layer-index lists that ``to_dict`` derives from ``layer_types``, so that a
+reader that knows no NAtS-L finds the softmax layers as a plain list of indices."""
 
 
 class ConfigError(ValueError):
@@ -102,16 +105,33 @@ class NatsConfig:
         """SwiGLU width, rounded up to a multiple of 8."""
         return 8 * math.ceil(self.mlp_ratio * self.d_model / 8)
 
+    def layers_of(self, kind: str) -> tuple[int, ...]:
+        """Indices of the layers of type ``kind`` ("nats", "gdn" or "softmax")."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == kind)
+
     def to_dict(self) -> dict[str, Any]:
+        """The fields, plus the layer lists other codebases read (see ``LAYER_LISTS``)."""
         d = dataclasses.asdict(self)
         d["layer_types"] = list(self.layer_types)
+        d.update({key: list(self.layers_of(kind)) for key, kind in LAYER_LISTS.items()})
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> NatsConfig:
-        """Build from a JSON-like dict; unknown keys are an error, not silently dropped."""
-        reject_unknown_fields(cls, d)
-        return cls(**d)
+        """Build from a JSON-like dict; unknown keys are an error, not silently dropped.
+
+        The derived layer lists may be present (``to_dict`` writes them) or absent (older
+        files), but where present they must agree with ``layer_types``.
+        """
+        fields = {k: v for k, v in d.items() if k not in LAYER_LISTS}
+        reject_unknown_fields(cls, fields)
+        config = cls(**fields)
+        for key, kind in LAYER_LISTS.items():
+            expected = list(config.layers_of(kind))
+            if key in d and not (isinstance(d[key], (list, tuple)) and list(d[key]) == expected):
+                _fail(key, d[key], f"{expected}, the indices of {kind!r} in layer_types "
+                      f"{list(config.layer_types)}")
+        return config
 
     def replace(self, **changes: Any) -> NatsConfig:
         return dataclasses.replace(self, **changes)

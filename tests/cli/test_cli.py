@@ -43,6 +43,10 @@ def _nats(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
     ["generate", "/no/such/model"],
     ["generate", "."],
     ["info", "/no/such/model"],
+    ["export", "/no/such/run", "--out", "exported"],
+    ["export", ".", "--out", "exported"],
+    ["export", "/no/such/run"],
+    ["export", ".", "--out", "exported", "--eval-batches", "some"],
 ])
 def test_bad_input_is_one_line_and_status_2(argv: list[str], capsys, tmp_path: Path,
                                             monkeypatch) -> None:

@@ -1,0 +1,382 @@
+"""``nats export``: a trained run's architecture (and weights) as a plain model folder.
+
+The folder holds ``config.json`` (a :class:`NatsConfig`, with the layer-index lists
+``softmax_layers`` / ``linear_layers`` / ``hybrid_layers`` that other codebases read),
+``model.safetensors`` unless weights are left out, and ``README.md``: the layer mix, chunk
+size, heads, the softmax fraction each NAtS-L layer measured on the run's evaluation data,
+and where it came from. ``NatsForCausalLM.from_pretrained`` loads it.
+
+With ``plain_layers``, a NAtS-L layer whose routes were all softmax (all linear) on that
+data is exported as a plain softmax (Gated DeltaNet) layer. Such a mixer cannot take the
+supernet's weights exactly (the NAtS-L layer has short convolutions, a branch mix and an
+output gate that a plain layer lacks, and an all-linear NAtS-L layer still attends within
+its own chunk), so it is freshly initialised; every other tensor is carried over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
+
+from nats.analysis.softmax_fraction import (
+    ALL_LINEAR,
+    ALL_SOFTMAX,
+    LayerFraction,
+    measure_softmax_fraction,
+)
+
+from .atomic_write import atomic_write_bytes
+from .config import LAYER_LISTS, NatsConfig
+from .model import CONFIG_FILE, WEIGHTS_FILE, NatsForCausalLM
+
+README_FILE = "README.md"
+TRAIN_CONFIG_FILE = "train_config.json"
+PLAIN_KIND = {ALL_SOFTMAX: "softmax", ALL_LINEAR: "gdn"}
+"""The plain layer type that a NAtS-L layer with these routes is exported as."""
+_NAMES = {"nats": "NAtS-L (hybrid)", "softmax": "softmax attention",
+          "gdn": "Gated DeltaNet (linear)"}
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+if TYPE_CHECKING:
+    from nats.trainers import TrainConfig
+
+
+@dataclass(frozen=True)
+class LoadedSource:
+    """A trained model and what is known of where it came from."""
+
+    model: NatsForCausalLM
+    train_config: TrainConfig
+    """The run's config: its evaluation data."""
+    origin: str
+    """One line for the README, e.g. ``run runs/tiny (model/, step 300)``."""
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What :func:`export_architecture` wrote."""
+
+    out_dir: Path
+    config: NatsConfig
+    """The exported architecture (``config.json``)."""
+    trained_layer_types: tuple[str, ...]
+    """The layer types of the trained model (differ from ``config``'s where converted)."""
+    fractions: dict[int, LayerFraction]
+    """Measured routing of every NAtS-L layer of the trained model (empty: not measured)."""
+    converted: dict[int, str]
+    """Layers exported as plain layers: index -> new type ("softmax" or "gdn")."""
+    weights: Path | None
+    """``model.safetensors``, or ``None`` with ``weights=False``."""
+    readme: Path
+    origin: str
+    parameters: int
+    dtype: str
+    """Dtype of the weights, e.g. ``float32``."""
+    eval_description: str
+    carried: tuple[str, ...] = field(default=())
+    """State-dict keys whose tensors are the trained ones."""
+    fresh: tuple[str, ...] = field(default=())
+    """State-dict keys freshly initialised (the mixers of converted layers)."""
+
+    @property
+    def files(self) -> list[Path]:
+        out = [self.out_dir / CONFIG_FILE]
+        return out + ([self.weights] if self.weights else []) + [self.readme]
+
+
+# -- reading a run or a checkpoint ---------------------------------------------------------
+
+
+def load_source(source: str | os.PathLike, device: str | torch.device = "cpu") -> LoadedSource:
+    """The model of a run folder (its ``model/``, else its newest checkpoint) or of one
+    checkpoint file, with the run's training config. Bad input raises ``ValueError`` or
+    ``FileNotFoundError`` with a one-line message."""
+    from nats.trainers import TrainConfig, latest_checkpoint
+
+    path = _checked_source(source)
+    if path.is_file():
+        return _load_checkpoint(path, device, origin=f"checkpoint {path}")
+    try:
+        train_config = TrainConfig.from_dict(json.loads((path / TRAIN_CONFIG_FILE).read_text()))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path / TRAIN_CONFIG_FILE} is not valid JSON: {e}") from None
+    model_dir = path / "model"
+    newest = latest_checkpoint(path)
+    if (model_dir / CONFIG_FILE).is_file():
+        model = NatsForCausalLM.from_pretrained(model_dir, device=device)
+        if model.config != train_config.model:
+            raise ValueError(f"{model_dir} holds another model than {path / TRAIN_CONFIG_FILE} "
+                             "describes")
+        step = _step_if_same_weights(newest, model) if newest else None
+        when = f"step {step}" if step is not None else "final model"
+        return LoadedSource(model, train_config, f"run {path} (model/, {when})")
+    if newest is None:
+        raise ValueError(f"{path} holds no trained model: neither model/ nor a checkpoint")
+    return _load_checkpoint(newest, device, origin=f"run {path} (newest checkpoint)")
+
+
+def _checked_source(source: str | os.PathLike) -> Path:
+    """``source`` as a path, if it is a file or a folder holding ``train_config.json``."""
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: give a run folder or a checkpoint "
+                                "file (run/checkpoints/step_*.safetensors)")
+    if path.is_dir() and not (path / TRAIN_CONFIG_FILE).is_file():
+        raise ValueError(f"{path} is not a nats run folder: it has no {TRAIN_CONFIG_FILE} "
+                         "(give the run folder itself, or a checkpoint file)")
+    return path
+
+
+def _source_folders(path: Path) -> set[Path]:
+    """The run folder, its ``model/`` and checkpoint folder, which an export must not
+    overwrite: ``path`` is a run folder or a checkpoint file in ``run/checkpoints/``."""
+    if path.is_dir():
+        run = path
+    else:
+        run = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+    return {p.resolve() for p in (run, run / "model", run / "checkpoints")}
+
+
+def _load_checkpoint(path: Path, device: str | torch.device, origin: str) -> LoadedSource:
+    from nats.trainers import TrainConfig
+    from nats.trainers.checkpoint import read_checkpoint_meta
+
+    try:
+        meta = read_checkpoint_meta(path)
+    except SafetensorError as e:
+        raise ValueError(f"{path} is not a nats checkpoint: {e}") from None
+    train_config = TrainConfig.from_dict(meta["config"])
+    tensors = load_file(str(path), device=str(device))
+    state = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
+    with torch.device(device):
+        model = NatsForCausalLM(train_config.model)
+    model = model.to(state["embed.weight"].dtype)
+    model.load_state_dict(state)
+    return LoadedSource(model, train_config, f"{origin}, step {meta['step']}")
+
+
+def _step_if_same_weights(checkpoint: Path, model: NatsForCausalLM) -> int | None:
+    """The checkpoint's step if it holds exactly ``model``'s weights (the run's last save)."""
+    from nats.trainers.checkpoint import read_checkpoint_meta
+
+    with safe_open(str(checkpoint), framework="pt") as f:
+        keys = set(f.keys())
+        for name, tensor in model.state_dict().items():
+            key = f"model/{name}"
+            if key not in keys or not torch.equal(f.get_tensor(key), tensor.cpu()):
+                return None
+    return int(read_checkpoint_meta(checkpoint)["step"])
+
+
+# -- exporting -------------------------------------------------------------------------------
+
+
+def plain_layer_types(layer_types: Sequence[str],
+                      fractions: dict[int, LayerFraction]) -> dict[int, str]:
+    """NAtS-L layers that routed every token one way: ``{index: "softmax" | "gdn"}``."""
+    return {i: PLAIN_KIND[f.kind] for i, f in sorted(fractions.items())
+            if layer_types[i] == "nats" and f.kind in PLAIN_KIND}
+
+
+def export_model(model: NatsForCausalLM, out_dir: str | os.PathLike, *,
+                 eval_batches: Sequence[Batch | torch.Tensor] = (), weights: bool = True,
+                 plain_layers: bool = False, force: bool = False,
+                 origin: str = "an in-memory model", eval_description: str = "",
+                 init_seed: int = 0) -> ExportResult:
+    """Write ``model``'s architecture (and weights) to ``out_dir``; see the module doc.
+
+    ``eval_batches`` are measured as they are (a layer's ``route_override`` counts);
+    with none, nothing is measured and ``plain_layers`` is refused. ``out_dir`` must be
+    absent or empty unless ``force``, which replaces the files an export writes (and
+    removes a stale ``model.safetensors`` when ``weights`` is off). Converted layers'
+    mixers are initialised from ``init_seed`` (the global RNG is left untouched).
+    """
+    out = Path(out_dir)
+    check_out_dir(out, force)
+    if plain_layers and not eval_batches:
+        raise ValueError("plain layers need measured routes: give at least one evaluation batch")
+    fractions = measure_softmax_fraction(model, eval_batches) if eval_batches else {}
+    trained = model.config
+    converted = plain_layer_types(trained.layer_types, fractions) if plain_layers else {}
+    config = trained.replace(layer_types=tuple(converted.get(i, t)
+                                               for i, t in enumerate(trained.layer_types)))
+    exported, carried, fresh = _carry_weights(model, config, converted, init_seed)
+    out.mkdir(parents=True, exist_ok=True)
+    weights_path = None
+    if weights:
+        exported.save_pretrained(out)  # config.json and model.safetensors, each atomically
+        weights_path = out / WEIGHTS_FILE
+    else:
+        (out / WEIGHTS_FILE).unlink(missing_ok=True)  # never leave weights of another export
+        atomic_write_bytes(out / CONFIG_FILE,
+                           (json.dumps(config.to_dict(), indent=2) + "\n").encode())
+    result = ExportResult(
+        out_dir=out, config=config, trained_layer_types=trained.layer_types,
+        fractions=fractions, converted=converted, weights=weights_path,
+        readme=out / README_FILE, origin=origin,
+        parameters=sum(p.numel() for p in exported.parameters()),
+        dtype=str(exported.embed.weight.dtype).removeprefix("torch."),
+        eval_description=eval_description or f"{len(eval_batches)} batch(es)",
+        carried=carried, fresh=fresh)
+    atomic_write_bytes(result.readme, render_readme(result, init_seed).encode())
+    return result
+
+
+def export_architecture(source: str | os.PathLike, out_dir: str | os.PathLike, *,
+                        weights: bool = True, plain_layers: bool = False,
+                        eval_batches: int | None = None, device: str = "cpu",
+                        force: bool = False, init_seed: int = 0) -> ExportResult:
+    """Export a run folder or checkpoint file (see :func:`load_source`) to ``out_dir``.
+
+    The softmax fractions are measured on the run's first ``eval_batches`` fixed
+    evaluation batches (default: as many as the run evaluated on; 0: no measurement)
+    on ``device`` ("cpu", "cuda", "auto", ...); the files are written from the CPU.
+    """
+    from nats.trainers import build_batches, resolve_device
+
+    if eval_batches is not None and (isinstance(eval_batches, bool)
+                                     or not isinstance(eval_batches, int) or eval_batches < 0):
+        raise ValueError(f"eval_batches must be an integer >= 0, got {eval_batches!r}")
+    if plain_layers and eval_batches == 0:
+        raise ValueError("plain layers need measured routes: --eval-batches must be >= 1")
+    out = Path(out_dir)
+    if out.resolve() in _source_folders(_checked_source(source)):
+        raise ValueError(f"--out {out} is the run being exported; choose another folder")
+    check_out_dir(out, force)
+    loaded = load_source(source, resolve_device(device))
+    tc = loaded.train_config
+    count = tc.eval_batches if eval_batches is None else eval_batches
+    batches = build_batches(tc).eval(count) if count else []
+    described = (f"the run's first {count} evaluation batch(es) of {tc.batch_size} x "
+                 f"{tc.seq_len} tokens (task {tc.task!r})") if count else ""
+    return export_model(loaded.model, out, eval_batches=batches, weights=weights,
+                        plain_layers=plain_layers, force=force, origin=loaded.origin,
+                        eval_description=described, init_seed=init_seed)
+
+
+def check_out_dir(out: Path, force: bool) -> None:
+    """``out`` may be absent or an empty folder; a non-empty one only with ``force``."""
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file, not a folder")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise FileExistsError(f"--out {out} is not empty; choose another folder, or pass "
+                              "--force to replace the exported files in it")
+
+
+def _carry_weights(model: NatsForCausalLM, config: NatsConfig, converted: dict[int, str],
+                   init_seed: int) -> tuple[NatsForCausalLM, tuple[str, ...], tuple[str, ...]]:
+    """A CPU model of ``config`` holding ``model``'s tensors, except the converted layers'
+    mixers, which keep their seeded fresh initialisation."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(init_seed)
+        exported = NatsForCausalLM(config)
+    exported = exported.to(model.embed.weight.dtype)
+    source = model.state_dict()
+    fresh_prefixes = tuple(f"blocks.{i}.mixer." for i in converted)
+    state, carried, fresh = {}, [], []
+    for name, tensor in exported.state_dict().items():
+        if name.startswith(fresh_prefixes):
+            fresh.append(name)
+            continue
+        if name not in source or source[name].shape != tensor.shape:
+            raise ValueError(f"cannot carry {name} over: the trained model's tensor differs")
+        state[name] = source[name]
+        carried.append(name)
+    exported.load_state_dict(state, strict=False)
+    return exported.eval(), tuple(carried), tuple(fresh)
+
+
+# -- README ----------------------------------------------------------------------------------
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.3f}"
+
+
+def render_readme(result: ExportResult, init_seed: int = 0) -> str:
+    """The README of an export: architecture, layer table, provenance, how to use it."""
+    cfg = result.config
+    lines = [f"# NAtS-L architecture export: {cfg.n_layers} layers", "",
+             f"Exported by `nats export` from {result.origin}.", ""]
+    mix = "; ".join(f"{_NAMES[kind]} {list(cfg.layers_of(kind))}"
+                    for kind in ("nats", "softmax", "gdn") if cfg.layers_of(kind))
+    r = cfg.softmax_heads_per_head
+    weights = (f"`{WEIGHTS_FILE}` ({result.dtype}), the trained tensors"
+               + (" except the freshly initialised mixers below" if result.converted else "")
+               if result.weights else "not exported (`--no-weights`): train from scratch")
+    lines += ["## Architecture", "", "| | |", "|---|---|",
+              f"| layers | {cfg.n_layers}: {mix} |",
+              f"| d_model | {cfg.d_model} |",
+              f"| vocabulary | {cfg.vocab_size} tokens |",
+              f"| heads | {cfg.n_heads} routing heads per layer; each owns 1 linear head "
+              f"(d_k {cfg.head_dim_k}, d_v {cfg.head_dim_v}) and {r} softmax heads "
+              f"(d_k {cfg.softmax_head_dim_k}, d_v {cfg.softmax_head_dim_v}); a softmax layer "
+              f"has {cfg.n_heads * r} heads of that width |",
+              f"| chunk size | {cfg.chunk_size} tokens (one route per chunk and routing head) |",
+              f"| MLP | SwiGLU, hidden {cfg.mlp_hidden} |",
+              f"| positions | {f'RoPE (theta {cfg.rope_theta:g})' if cfg.rope else 'none'} "
+              "in the softmax heads |",
+              f"| embeddings | {'tied to' if cfg.tie_embeddings else 'separate from'} "
+              "the output layer |",
+              f"| parameters | {result.parameters:,} |",
+              f"| weights | {weights} |", ""]
+    lines += ["## Layers", ""]
+    if result.fractions:
+        lines += ["Softmax fraction: the share of tokens in chunks routed to softmax attention "
+                  "(kept in the KV cache), per routing head and over all heads, measured in "
+                  f"eval mode on {result.eval_description}. Routes: whether every chunk went "
+                  "one way on that data.", ""]
+    else:
+        lines += ["Softmax fractions were not measured (no evaluation batches).", ""]
+    lines += ["| layer | trained as | exported as | softmax fraction per head | mean | routes |",
+              "|---|---|---|---|---|---|"]
+    for i, trained in enumerate(result.trained_layer_types):
+        f = result.fractions.get(i)
+        if f is not None:
+            heads, mean, kind = ", ".join(_fmt(x) for x in f.per_head), _fmt(f.overall), f.kind
+        elif trained == "nats":
+            heads, mean, kind = "not measured", "", ""
+        else:
+            fixed = 1.0 if trained == "softmax" else 0.0
+            heads, mean, kind = "(no routes)", _fmt(fixed), "fixed"
+        lines.append(f"| {i} | {trained} | {cfg.layer_types[i]} | {heads} | {mean} | {kind} |")
+    lines.append("")
+    if result.converted:
+        plain = {"softmax": ("softmax attention", "softmax"),
+                 "gdn": ("linear attention", "Gated DeltaNet")}
+        listed = "; ".join(f"layer {i} routed every chunk to {plain[t][0]} and is exported as "
+                           f"a plain {plain[t][1]} layer" for i, t in result.converted.items())
+        lines += ["## Plain layers", "",
+                  f"On the evaluation data, {listed}. **Their mixers are freshly initialised** "
+                  f"(seed {init_seed}), not trained: a NAtS-L layer's short convolutions, "
+                  "branch mix and output gate have no counterpart in a plain layer, and an "
+                  "all-linear NAtS-L layer still attends within its own chunk, so its weights "
+                  "cannot be carried over exactly. Every other tensor (embeddings, norms, "
+                  "MLPs and the other layers) is the trained one. Train or fine-tune this "
+                  "model before using it.", ""]
+    lists = ", ".join(f'`"{key}": {list(cfg.layers_of(kind))}`'
+                      for key, kind in LAYER_LISTS.items())
+    lines += ["## Use", "",
+              f"`{CONFIG_FILE}` is a `NatsConfig`. Beside `layer_types` it lists the layers "
+              f"plainly for other codebases: {lists} (softmax attention, Gated DeltaNet, "
+              "NAtS-L).", "",
+              "```python", "from nats import NatsForCausalLM", "",
+              f'model = NatsForCausalLM.from_pretrained("{result.out_dir}")', "```", "",
+              "```bash"]
+    train = f"nats train --config {result.out_dir / CONFIG_FILE}"
+    commands = [(train, "this architecture, from scratch")]
+    if result.weights:
+        commands.append((f"{train} --init-from {result.out_dir}", "from these weights"))
+    width = max(len(c) for c, _ in commands)
+    lines += [f"{c:<{width}}  # {why}" for c, why in commands] + ["```", ""]
+    return "\n".join(lines)
+

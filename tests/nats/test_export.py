@@ -1,0 +1,245 @@
+"""`nats export`: a trained run as a from_pretrained folder with layer lists and a README."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from nats import ConfigError, NatsConfig, NatsForCausalLM
+from nats.cli import main
+from nats.export import export_architecture, export_model
+from nats.trainers import TrainConfig, build_batches, latest_checkpoint, train
+
+LAYERS = ("nats", "softmax", "nats")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A micro copy-task run of 3 layers (NAtS-L, softmax, NAtS-L), a few CPU steps."""
+    out = tmp_path_factory.mktemp("export") / "run"
+    model = NatsConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=2,
+                       softmax_heads_per_head=2, head_dim_k=16, head_dim_v=16, chunk_size=16,
+                       layer_types=LAYERS)
+    train(TrainConfig(model=model, task="copy", steps=4, batch_size=2, seq_len=33, lr=3e-3,
+                      warmup_steps=2, eval_interval=4, eval_batches=2, log_interval=1,
+                      checkpoint_interval=100, copy_symbols=8, device="cpu",
+                      out_dir=str(out)))
+    return out
+
+
+def _eval_batches(run: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    config = TrainConfig.from_dict(json.loads((run / "train_config.json").read_text()))
+    return build_batches(config).eval(config.eval_batches)
+
+
+def _logits(model: NatsForCausalLM, run: Path) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(_eval_batches(run)[0][0]).logits
+
+
+def _fractions_from_routes(model: NatsForCausalLM, batches) -> dict[int, list[float]]:
+    """Per NAtS-L layer and head, the share of tokens in softmax chunks, counted by
+    spreading each chunk's route over its tokens (independent of nats.analysis)."""
+    c = model.config.chunk_size
+    sm: dict[int, torch.Tensor] = {}
+    total = 0
+    with torch.no_grad():
+        for ids, _ in batches:
+            for i, routes in enumerate(model.eval()(ids).routes):
+                if routes is not None:
+                    per_token = routes[..., 0].double().repeat_interleave(c, 1)[:, : ids.shape[1]]
+                    sm[i] = sm.get(i, 0) + per_token.sum((0, 1))
+            total += ids.numel()
+    return {i: (s / total).tolist() for i, s in sm.items()}
+
+
+def _readme_row(readme: str, layer: int) -> str:
+    (row,) = [line for line in readme.splitlines() if line.startswith(f"| {layer} | ")]
+    return row
+
+
+def test_layer_lists_in_config_dicts() -> None:
+    cfg = NatsConfig(n_layers=4, layer_types=("nats", "softmax", "gdn", "softmax"))
+    d = cfg.to_dict()
+    assert (d["softmax_layers"], d["linear_layers"], d["hybrid_layers"]) == ([1, 3], [2], [0])
+    assert NatsConfig.from_dict(d) == cfg
+    old = {k: v for k, v in d.items()  # saved before the lists
+           if k not in ("softmax_layers", "linear_layers", "hybrid_layers")}
+    assert NatsConfig.from_dict(old) == cfg
+    with pytest.raises(ConfigError, match=r"NatsConfig\.softmax_layers = \[1\] .*\[1, 3\]"):
+        NatsConfig.from_dict({**d, "softmax_layers": [1]})
+    with pytest.raises(ConfigError, match=r"NatsConfig\.hybrid_layers = 0 "):
+        NatsConfig.from_dict({**d, "hybrid_layers": 0})
+    with pytest.raises(ConfigError, match=r"unknown NatsConfig field\(s\) \['attn_layers'\]"):
+        NatsConfig.from_dict({**d, "attn_layers": [1]})
+
+
+def test_export_of_a_run_loads_with_the_same_logits(run: Path, tmp_path: Path) -> None:
+    result = export_architecture(run, tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == \
+        ["README.md", "config.json", "model.safetensors"]
+    assert result.origin == f"run {run} (model/, step 4)" and not result.converted
+    loaded = NatsForCausalLM.from_pretrained(tmp_path / "out")
+    assert loaded.config.layer_types == LAYERS
+    assert torch.equal(_logits(loaded, run),
+                       _logits(NatsForCausalLM.from_pretrained(run / "model"), run))
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (saved["softmax_layers"], saved["linear_layers"], saved["hybrid_layers"]) == \
+        ([1], [], [0, 2])
+
+
+def test_readme_reports_each_layers_measured_fraction(run: Path, tmp_path: Path) -> None:
+    result = export_architecture(run, tmp_path / "out")
+    expected = _fractions_from_routes(NatsForCausalLM.from_pretrained(run / "model"),
+                                      _eval_batches(run))
+    assert sorted(result.fractions) == sorted(expected) == [0, 2]
+    readme = result.readme.read_text()
+    for i, per_head in expected.items():
+        assert list(result.fractions[i].per_head) == pytest.approx(per_head, abs=1e-12)
+        row = _readme_row(readme, i)
+        assert row.startswith(f"| {i} | nats | nats | {', '.join(f'{x:.3f}' for x in per_head)}"
+                              f" | {sum(per_head) / len(per_head):.3f} | ")
+    assert _readme_row(readme, 1).startswith("| 1 | softmax | softmax | (no routes) | 1.000 |")
+    for needle in ("chunk size | 16 tokens", "2 routing heads", "d_model | 32",
+                   f"parameters | {result.parameters:,}", f"run {run} (model/, step 4)",
+                   "2 evaluation batch(es) of 2 x 33 tokens", '"softmax_layers": [1]',
+                   "from_pretrained(", "--init-from"):
+        assert needle in readme, needle
+
+
+def test_no_weights_writes_config_and_readme_only(run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    export_architecture(run, out)
+    result = export_architecture(run, out, weights=False, force=True)  # replaces the weights
+    assert result.weights is None
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json"]
+    config = NatsConfig.from_dict(json.loads((out / "config.json").read_text()))
+    assert config == NatsForCausalLM.from_pretrained(run / "model").config
+    readme = result.readme.read_text()
+    assert "not exported" in readme and "--init-from" not in readme
+
+
+def test_plain_layers_replace_exactly_the_one_way_layers(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    config = NatsConfig(vocab_size=40, d_model=32, n_layers=5, n_heads=2,
+                        softmax_heads_per_head=2, head_dim_k=16, head_dim_v=16, chunk_size=16,
+                        layer_types=("nats", "softmax", "nats", "gdn", "nats"))
+    model = NatsForCausalLM(config)
+    for layer, override in zip(model.nats_layers, ("softmax", "linear", 0.5), strict=True):
+        layer.route_override = override  # layers 0, 2, 4
+    batches = [(torch.randint(0, 40, (2, 40)), None)]
+    rng = torch.get_rng_state()
+    result = export_model(model, tmp_path / "out", eval_batches=batches, plain_layers=True)
+    assert torch.equal(torch.get_rng_state(), rng)  # the fresh init used its own seed
+    assert {i: f.kind for i, f in result.fractions.items()} == \
+        {0: "all-softmax", 2: "all-linear", 4: "mixed"}
+    assert result.converted == {0: "softmax", 2: "gdn"}
+    assert result.config.layer_types == ("softmax", "softmax", "gdn", "gdn", "nats")
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (saved["softmax_layers"], saved["linear_layers"], saved["hybrid_layers"]) == \
+        ([0, 1], [2, 3], [4])
+
+    loaded = NatsForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    trained = model.state_dict()
+    fresh = [k for k in loaded if k.startswith(("blocks.0.mixer.", "blocks.2.mixer."))]
+    assert sorted(fresh) == sorted(result.fresh) and fresh
+    carried = [k for k in loaded if k not in fresh]
+    assert sorted(carried) == sorted(result.carried)
+    assert any(k.startswith("blocks.0.mlp") for k in carried)  # norms, MLPs stay trained
+    for k in carried:
+        assert torch.equal(loaded[k], trained[k]), k  # bit-exact
+    assert not any(k.startswith("blocks.0.mixer.scorer") for k in loaded)
+    readme = result.readme.read_text()
+    assert "freshly initialised" in readme
+    assert "layer 0 routed every chunk to softmax attention and is exported as a plain " \
+        "softmax layer; layer 2 routed every chunk to linear attention and is exported as " \
+        "a plain Gated DeltaNet layer." in readme
+    assert _readme_row(readme, 2).startswith("| 2 | nats | gdn | 0.000, 0.000 | 0.000 |")
+
+    again = export_model(model, tmp_path / "again", eval_batches=batches, plain_layers=True)
+    again_state = NatsForCausalLM.from_pretrained(tmp_path / "again").state_dict()
+    assert all(torch.equal(again_state[k], loaded[k]) for k in again.fresh)  # seeded
+
+
+def test_plain_layers_of_a_run_folder(run: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    model = NatsForCausalLM.from_pretrained(copy / "model")
+    with torch.no_grad():
+        model.blocks[0].mixer.scorer.proj.weight.zero_()  # tied logits: argmax picks softmax
+    model.save_pretrained(copy / "model")
+    expected = _fractions_from_routes(model, _eval_batches(copy))
+    assert expected[0] == [1.0, 1.0]
+    one_way = {i: {1.0: "softmax", 0.0: "gdn"}[f[0]] for i, f in expected.items()
+               if len(set(f)) == 1 and f[0] in (0.0, 1.0)}
+
+    result = export_architecture(copy, tmp_path / "out", plain_layers=True)
+    assert result.origin == f"run {copy} (model/, final model)"  # differs from the checkpoint
+    assert result.converted == one_way and result.converted[0] == "softmax"
+    loaded = NatsForCausalLM.from_pretrained(tmp_path / "out")
+    assert loaded.config.layer_types[0] == "softmax"
+    trained, state = model.state_dict(), loaded.state_dict()
+    for k in result.carried:
+        assert torch.equal(state[k], trained[k]), k
+
+
+def test_checkpoint_file_and_a_run_without_model_dir(run: Path, tmp_path: Path) -> None:
+    checkpoint = latest_checkpoint(run)
+    result = export_architecture(checkpoint, tmp_path / "a")
+    assert result.origin == f"checkpoint {checkpoint}, step 4"
+    reference = _logits(NatsForCausalLM.from_pretrained(run / "model"), run)
+    assert torch.equal(_logits(NatsForCausalLM.from_pretrained(tmp_path / "a"), run), reference)
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("model"))
+    result = export_architecture(copy, tmp_path / "b", eval_batches=0)
+    assert result.origin == f"run {copy} (newest checkpoint), step 4" and not result.fractions
+    assert "not measured" in result.readme.read_text()
+    assert torch.equal(_logits(NatsForCausalLM.from_pretrained(tmp_path / "b"), run), reference)
+
+
+def test_refusals(run: Path, tmp_path: Path) -> None:
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"is not empty; .* --force"):
+        export_architecture(run, tmp_path / "full")
+    assert (tmp_path / "full" / "notes.txt").read_text() == "mine"
+    for protected in (run, run / "model", run / "checkpoints"):
+        with pytest.raises(ValueError, match="is the run being exported"):
+            export_architecture(run, protected, force=True)
+    with pytest.raises(ValueError, match="plain layers need measured routes"):
+        export_architecture(run, tmp_path / "x", plain_layers=True, eval_batches=0)
+    with pytest.raises(ValueError, match="eval_batches must be an integer >= 0"):
+        export_architecture(run, tmp_path / "x", eval_batches=-1)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        export_architecture(tmp_path / "nothing", tmp_path / "x")
+    with pytest.raises(ValueError, match="not a nats run folder"):
+        export_architecture(tmp_path / "full", tmp_path / "x")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    save_file({"w": torch.zeros(1)}, str(tmp_path / "plain.safetensors"))
+    for bad in ("junk.safetensors", "plain.safetensors"):
+        with pytest.raises(ValueError, match="is not a nats checkpoint"):
+            export_architecture(tmp_path / bad, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+def test_cli_export(run: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    assert main(["export", str(run), "--out", str(out), "--plain-layers"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"nats: exported run {run} (model/, step 4)\n")
+    assert "  layer 0: nats" in printed and "  layer 1: softmax\n" in printed
+    assert f"wrote config.json, model.safetensors, README.md to {out}" in printed
+
+    assert main(["export", str(run), "--out", str(out)]) == 2  # not empty
+    err = capsys.readouterr().err
+    assert err.startswith("nats: error: --out ") and err.count("\n") == 1
+    assert main(["export", str(run), "--out", str(out), "--force", "--no-weights",
+                 "--eval-batches", "1"]) == 0
+    assert "wrote config.json, README.md" in capsys.readouterr().out
+    assert not (out / "model.safetensors").exists()
