@@ -18,7 +18,7 @@ from nats import NatsForCausalLM
 
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
 _OVERRIDES = ("task", "steps", "batch_size", "seq_len", "lr", "seed", "device", "out_dir",
-              "data_paths")
+              "data_paths", "data_format", "text_field", "tokenizer", "streaming", "eval_seed")
 """``TrainConfig`` fields that ``nats train`` options override (same names as ``dest``)."""
 
 
@@ -129,6 +129,7 @@ def _export(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from nats.kernels.bench import BenchShape
     from nats.trainers import PRESETS, TASKS
+    from nats.trainers.config import DATA_FORMATS
 
     parser = _Parser(prog="nats", description="NAtS-L: token-level hybrid attention search.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -145,7 +146,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--device", help="auto, cpu, cuda or cuda:N")
     train.add_argument("--out", dest="out_dir", help="run folder: logs, checkpoints, model/")
     train.add_argument("--data", dest="data_paths", nargs="+", metavar="PATH",
-                       help="files or folders for task 'bytes' (default: the Python stdlib)")
+                       help="files, folders or a save_to_disk folder for task 'text' "
+                            "(default: the Python stdlib)")
+    train.add_argument("--data-format", choices=DATA_FORMATS,
+                       help="how --data is read (default: auto, by extension)")
+    train.add_argument("--text-field", help="text column of JSON/Parquet records (default: text)")
+    train.add_argument("--tokenizer", metavar="DIR",
+                       help="folder with a tokenizer.json (default: UTF-8 bytes)")
+    train.add_argument("--streaming", action="store_true", default=None,
+                       help="read the corpus in order instead of loading it into memory")
+    train.add_argument("--eval-seed", type=int, help="seed of the evaluation stream")
     train.add_argument("--resume", action="store_true",
                        help="continue from the newest checkpoint in the run folder")
     train.set_defaults(func=_train)

@@ -4,16 +4,23 @@ from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import PRESETS, TASKS, TrainConfig, preset, run_config
 from .data import Batches, build_batches
 from .loop import TrainResult, evaluate, resolve_device, train
-from .synthetic import CopyTask, MQARTask
-from .text import ByteWindows, decode_tokens, encode_text, generate_text, load_byte_splits
+from .synthetic import CopyTask, MQARTask, NeedleTask
+from .text import decode_tokens, encode_text, generate_text
+from .text_data import Corpus, StreamWindows, TokenWindows, load_text_sources, resolve_corpus
+from .tokenization import ByteTokenizer, FileTokenizer, load_tokenizer
 
 __all__ = [
     "PRESETS",
     "TASKS",
     "Batches",
-    "ByteWindows",
+    "ByteTokenizer",
     "CopyTask",
+    "Corpus",
+    "FileTokenizer",
     "MQARTask",
+    "NeedleTask",
+    "StreamWindows",
+    "TokenWindows",
     "TrainConfig",
     "TrainResult",
     "build_batches",
@@ -22,9 +29,11 @@ __all__ = [
     "evaluate",
     "generate_text",
     "latest_checkpoint",
-    "load_byte_splits",
     "load_checkpoint",
+    "load_text_sources",
+    "load_tokenizer",
     "preset",
+    "resolve_corpus",
     "resolve_device",
     "run_config",
     "save_checkpoint",

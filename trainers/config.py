@@ -14,9 +14,13 @@ from typing import Any, NoReturn
 from nats.config import ConfigError, NatsConfig, fail, reject_unknown_fields
 
 from .checkpoint import latest_checkpoint, read_checkpoint_meta
+from .synthetic import NeedleTask
 
-TASKS = ("copy", "mqar", "bytes")
-"""``copy`` and ``mqar`` are generated; ``bytes`` is byte-level text from local files."""
+TASKS = ("copy", "mqar", "needle", "text")
+"""``copy``, ``mqar`` and ``needle`` are generated; ``text`` is a local corpus (default: the
+Python standard library's sources), byte-level unless ``tokenizer`` names one."""
+DATA_FORMATS = ("auto", "text", "json", "parquet", "saved")
+"""How ``data_paths`` are read; ``auto`` goes by extension (see ``trainers.text_data``)."""
 
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 DEVICES = "'auto', 'cpu', 'cuda' or 'cuda:N'"
@@ -50,9 +54,19 @@ class TrainConfig:
     out_dir: str = "runs/default"
     copy_symbols: int = 16
     mqar_pairs: int = 8
+    needle_key_len: int = 3
+    eval_seed: int = 1
+    """Seed of the evaluation stream (training uses ``seed``)."""
     data_paths: tuple[str, ...] = field(default_factory=tuple)
-    data_glob: str = "**/*.py"
+    data_glob: str = "**/*"
     val_fraction: float = 0.05
+    data_format: str = "auto"
+    text_field: str = "text"
+    """The text column of JSON / Parquet / saved-dataset records."""
+    tokenizer: str | None = None
+    """A folder holding ``tokenizer.json`` (``None``: UTF-8 bytes, vocabulary 256)."""
+    streaming: bool = False
+    """Read text in order and pack it on the fly instead of loading it into memory."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, NatsConfig):
@@ -61,11 +75,11 @@ class TrainConfig:
             _fail("task", self.task, f"one of {TASKS}")
         for name in ("steps", "batch_size", "seq_len", "eval_interval", "eval_batches",
                      "log_interval", "checkpoint_interval", "keep_checkpoints", "copy_symbols",
-                     "mqar_pairs"):
+                     "mqar_pairs", "needle_key_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 _fail(name, value, "an integer >= 1")
-        for name in ("warmup_steps", "seed"):
+        for name in ("warmup_steps", "seed", "eval_seed"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 _fail(name, value, "an integer >= 0")
@@ -86,12 +100,33 @@ class TrainConfig:
         if not isinstance(self.data_paths, tuple) or not all(
                 isinstance(p, str) and p for p in self.data_paths):
             _fail("data_paths", self.data_paths, "a tuple of file or directory paths")
+        self._check_text_fields()
         self._check_task_fits_model()
+
+    def _check_text_fields(self) -> None:
+        for name in ("data_glob", "text_field"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                _fail(name, getattr(self, name), "a non-empty string")
+        if self.data_format not in DATA_FORMATS:
+            _fail("data_format", self.data_format, f"one of {DATA_FORMATS}")
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str)
+                                           or not self.tokenizer):
+            _fail("tokenizer", self.tokenizer, "null (bytes) or a folder with tokenizer.json")
+        if not isinstance(self.streaming, bool):
+            _fail("streaming", self.streaming, "true or false")
 
     def _check_task_fits_model(self) -> None:
         vocab = self.model.vocab_size
-        if self.task == "bytes" and vocab < 256:
-            _fail("model.vocab_size", vocab, "at least 256 for task 'bytes'")
+        if self.task == "text" and self.tokenizer is None and vocab < 256:
+            _fail("model.vocab_size", vocab, "at least 256 for byte-level task 'text'")
+        if self.task == "needle":
+            if vocab < NeedleTask.MIN_VOCAB:
+                _fail("model.vocab_size", vocab, f"at least {NeedleTask.MIN_VOCAB} for task "
+                      "'needle' (10 digits, then key and filler tokens)")
+            least = NeedleTask.min_seq_len(self.needle_key_len)
+            if self.seq_len < least:
+                _fail("seq_len", self.seq_len, f"at least 2 * (needle_key_len + "
+                      f"{NeedleTask.VALUE_DIGITS}) + 1 = {least} for task 'needle'")
         if self.task == "copy":
             if self.seq_len < 3:
                 _fail("seq_len", self.seq_len, "at least 3 for task 'copy'")
@@ -154,7 +189,7 @@ def _presets() -> dict[str, TrainConfig]:
                                   batch_size=32, seq_len=256, lr=1e-3, warmup_steps=100,
                                   mqar_pairs=16, out_dir="runs/mqar-small"),
         # Byte-level language model on the Python standard library's sources.
-        "bytes-small": TrainConfig(model=_small_model(), task="bytes", steps=5000,
+        "bytes-small": TrainConfig(model=_small_model(), task="text", steps=5000,
                                    batch_size=16, seq_len=512, lr=1e-3, warmup_steps=200,
                                    eval_interval=250, checkpoint_interval=1000,
                                    out_dir="runs/bytes-small"),

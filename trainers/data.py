@@ -1,7 +1,10 @@
-"""Where a run's batches come from: task sources and the seeded stream of batches.
+"""Where a run's batches come from: task sources and the seeded streams of batches.
 
-The batch of training step ``s`` depends only on ``(seed, s)``, so a resumed run sees
-exactly the data it would have seen without the interruption.
+Training draws from ``seed``, evaluation from ``eval_seed`` (a separate stream even when
+the two are equal). For generated tasks and in-memory text the batch of training step
+``s`` depends only on ``(seed, s)``; for streamed text it is the ``s``-th batch of the
+stream. Either way a resumed run sees exactly the data it would have seen without the
+interruption (the data position of step ``s`` is ``s * batch_size`` sequences).
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ import numpy as np
 import torch
 
 from .config import TrainConfig
-from .synthetic import Batch, CopyTask, MQARTask
-from .text import load_byte_splits
+from .synthetic import Batch, CopyTask, MQARTask, NeedleTask
+from .text_data import StreamWindows, load_text_sources, resolve_corpus
+from .tokenization import load_tokenizer
 
 
 class Source(Protocol):
@@ -33,33 +37,72 @@ def stream_generator(seed: int, stream: str, index: int) -> torch.Generator:
 
 @dataclass(frozen=True)
 class Batches:
-    """The training and evaluation batches of one run."""
+    """The training and evaluation batches of one run.
 
-    train_source: Source
-    eval_source: Source
+    ``train(step)`` is the global batch of a step; ``eval(count)`` the fixed evaluation
+    batches. Random-access sources (generated tasks, in-memory text) answer any step at
+    the same cost. A streamed source (:class:`StreamWindows`) reads on from its last
+    call, so increasing steps are cheap; an earlier step restarts the stream.
+    """
+
+    train_source: Source | StreamWindows
+    eval_source: Source | StreamWindows
     batch_size: int
     seed: int
+    eval_seed: int = 1
+
+    @property
+    def streaming(self) -> bool:
+        """Whether training batches are read in order from a stream."""
+        return isinstance(self.train_source, StreamWindows)
+
+    @property
+    def bytes_per_token(self) -> float | None:
+        """UTF-8 bytes per token of the evaluation text, for bits per byte.
+
+        ``None`` for generated tasks, 1.0 for byte-level text; for a ``tokenizers``
+        tokenizer measured on the validation split (a streamed one: its first MiB).
+        """
+        return getattr(self.eval_source, "bytes_per_token", None)
 
     def train(self, step: int) -> Batch:
         """The batch of training step ``step`` (0-based)."""
+        if isinstance(self.train_source, StreamWindows):
+            return self.train_source.batch(step, self.batch_size)
         return self.train_source.sample(self.batch_size,
                                         stream_generator(self.seed, "train", step))
 
     def eval(self, count: int) -> list[Batch]:
         """The fixed evaluation batches, the same at every evaluation."""
-        return [self.eval_source.sample(self.batch_size, stream_generator(self.seed, "eval", i))
+        if isinstance(self.eval_source, StreamWindows):
+            return self.eval_source.first(count, self.batch_size)
+        return [self.eval_source.sample(self.batch_size,
+                                        stream_generator(self.eval_seed, "eval", i))
                 for i in range(count)]
 
 
 def build_batches(config: TrainConfig) -> Batches:
-    """The batches ``config`` asks for; generated tasks evaluate on their own stream."""
-    train: Source
-    evaluate: Source
+    """The batches ``config`` asks for; generated tasks evaluate on their own stream.
+
+    Text errors (a missing path, an empty split, a bad ``text_field`` or tokenizer) are
+    one-line ``ValueError`` / ``FileNotFoundError``s raised here, before any training.
+    """
+    train: Source | StreamWindows
+    evaluate: Source | StreamWindows
     if config.task == "copy":
         train = evaluate = CopyTask(config.seq_len, config.copy_symbols)
     elif config.task == "mqar":
         train = evaluate = MQARTask(config.model.vocab_size, config.seq_len, config.mqar_pairs)
+    elif config.task == "needle":
+        train = evaluate = NeedleTask(config.model.vocab_size, config.seq_len,
+                                      config.needle_key_len)
     else:
-        train, evaluate = load_byte_splits(config.data_paths, config.data_glob,
-                                           config.val_fraction, config.seq_len)
-    return Batches(train, evaluate, config.batch_size, config.seed)
+        tokenizer = load_tokenizer(config.tokenizer)
+        if tokenizer.vocab_size > config.model.vocab_size:
+            raise ValueError(f"tokenizer: {config.tokenizer!r} has {tokenizer.vocab_size} "
+                             f"tokens, more than model.vocab_size={config.model.vocab_size}")
+        corpus = resolve_corpus(config.data_paths, config.data_glob, config.data_format,
+                                config.text_field, config.val_fraction)
+        train, evaluate = load_text_sources(corpus, tokenizer, config.seq_len,
+                                            config.streaming)
+    return Batches(train, evaluate, config.batch_size, config.seed, config.eval_seed)

@@ -1,12 +1,13 @@
-"""Generated sequence tasks whose answers are known exactly: copy and MQAR.
+"""Generated sequence tasks whose answers are known exactly: copy, MQAR and needle retrieval.
 
-Both return HF-style ``(input_ids, labels)``: labels have the shape of the inputs, the
+All return HF-style ``(input_ids, labels)``: labels have the shape of the inputs, the
 model shifts them, and ``-100`` marks positions that carry no loss.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -71,4 +72,62 @@ class MQARTask:
         input_ids.scatter_(1, query_pos + 1, values)
         labels = torch.full_like(input_ids, IGNORE_INDEX)
         labels.scatter_(1, query_pos + 1, values)
+        return input_ids, labels
+
+
+@dataclass(frozen=True)
+class NeedleTask:
+    """Single-needle retrieval: a key and a 7-digit value hidden in a haystack, asked at the end.
+
+    Tokens ``0 .. 9`` are the digits, ``10 .. 10 + k - 1`` (``k = (V - 10) // 2``) the key
+    tokens and the rest filler, so neither a key nor a digit occurs in the haystack by
+    chance. A row is ``filler[:depth] key value filler[depth:] key value``: the needle (a
+    random key of ``key_len`` tokens and a 7-digit value with a non-zero first digit) sits
+    after ``depth`` filler tokens, ``depth`` uniform in ``0 .. H`` with ``H = seq_len - 2 *
+    (key_len + 7)``; the row ends by asking the key again. The loss is only on the 7 digits
+    of that answer.
+    """
+
+    vocab_size: int
+    seq_len: int
+    key_len: int = 3
+
+    DIGITS: ClassVar[int] = 10
+    VALUE_DIGITS: ClassVar[int] = 7
+    MIN_VOCAB: ClassVar[int] = 16
+
+    @classmethod
+    def min_seq_len(cls, key_len: int) -> int:
+        """Two copies of the needle and at least one filler token."""
+        return 2 * (key_len + cls.VALUE_DIGITS) + 1
+
+    @property
+    def key_tokens(self) -> range:
+        return range(self.DIGITS, self.DIGITS + (self.vocab_size - self.DIGITS) // 2)
+
+    @property
+    def filler_tokens(self) -> range:
+        return range(self.key_tokens.stop, self.vocab_size)
+
+    def sample(self, batch_size: int, generator: torch.Generator) -> Batch:
+        b, keys, filler = batch_size, self.key_tokens, self.filler_tokens
+        needle_len = self.key_len + self.VALUE_DIGITS
+        hay = self.seq_len - 2 * needle_len
+        key = torch.randint(keys.start, keys.stop, (b, self.key_len), generator=generator)
+        value = torch.cat([torch.randint(1, 10, (b, 1), generator=generator),
+                           torch.randint(0, 10, (b, self.VALUE_DIGITS - 1),
+                                         generator=generator)], dim=1)
+        needle = torch.cat([key, value], dim=1)
+        haystack = torch.randint(filler.start, filler.stop, (b, hay), generator=generator)
+        depth = torch.randint(0, hay + 1, (b, 1), generator=generator)
+        # Position p of the body holds filler p before the needle, needle p - depth inside
+        # it and filler p - needle_len after it.
+        pos = torch.arange(hay + needle_len).expand(b, -1)
+        inside = (pos >= depth) & (pos < depth + needle_len)
+        from_hay = torch.where(pos < depth, pos, pos - needle_len).clamp(0, max(hay - 1, 0))
+        from_needle = (pos - depth).clamp(0, needle_len - 1)
+        body = torch.where(inside, needle.gather(1, from_needle), haystack.gather(1, from_hay))
+        input_ids = torch.cat([body, needle], dim=1)
+        labels = torch.full_like(input_ids, IGNORE_INDEX)
+        labels[:, -self.VALUE_DIGITS:] = value
         return input_ids, labels

@@ -1,24 +1,20 @@
-"""Byte-level text (vocabulary 256) read from local files, split by file into train/val.
+"""Byte-level text helpers: the default corpus, UTF-8 encoding and byte-model generation.
 
 The default corpus is the Python standard library's own ``.py`` sources: real text that
-every machine has, with no download.
+every machine has, with no download. Loading corpora is :mod:`.text_data`'s work.
 """
 
 from __future__ import annotations
 
+import os
 import sysconfig
-import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from nats import NatsForCausalLM
-
-from .synthetic import Batch
 
 THIRD_PARTY_DIRS = frozenset({"site-packages", "dist-packages"})
 """Folders inside the standard library's tree that hold installed packages, not stdlib."""
@@ -26,9 +22,12 @@ THIRD_PARTY_DIRS = frozenset({"site-packages", "dist-packages"})
 
 def stdlib_sources() -> list[Path]:
     """This interpreter's standard library ``.py`` files, in a fixed order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return [p for p in find_files([root], "**/*.py")
-            if not THIRD_PARTY_DIRS.intersection(p.relative_to(root).parts)]
+    root = sysconfig.get_paths()["stdlib"]
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in THIRD_PARTY_DIRS and d != "__pycache__"]
+        found.extend(Path(folder, f) for f in files if f.endswith(".py"))
+    return sorted(found)
 
 
 def encode_text(text: str) -> torch.Tensor:
@@ -53,59 +52,3 @@ def generate_text(model: NatsForCausalLM, prompt: str, max_new_tokens: int,
     ids = encode_text(prompt)[None].to(device)
     out = model.generate(ids, max_new_tokens, **sampling)
     return decode_tokens(out[0, ids.shape[1]:].tolist())
-
-
-def find_files(paths: Sequence[str | Path], glob: str) -> list[Path]:
-    """Files named in ``paths``, directories expanded with ``glob``, in a fixed order."""
-    found: set[Path] = set()
-    for path in map(Path, paths):
-        if path.is_dir():
-            found.update(p for p in path.glob(glob) if p.is_file())
-        elif path.is_file():
-            found.add(path)
-        else:
-            raise FileNotFoundError(f"data_paths: {str(path)!r} does not exist")
-    return sorted(found)
-
-
-def in_validation(path: Path, val_fraction: float) -> bool:
-    """Whether ``path`` belongs to the validation split.
-
-    Decided by a hash of the file name and its parent, not by the file list, so the split
-    of a file never changes when files are added or the corpus moves to another machine.
-    """
-    key = f"{path.parent.name}/{path.name}".encode()
-    return zlib.crc32(key) % 10_000 < val_fraction * 10_000
-
-
-@dataclass(frozen=True)
-class ByteWindows:
-    """Random ``seq_len``-byte windows of one split; every position carries loss."""
-
-    data: torch.Tensor
-    seq_len: int
-
-    def sample(self, batch_size: int, generator: torch.Generator) -> Batch:
-        starts = torch.randint(0, len(self.data) - self.seq_len + 1, (batch_size,),
-                               generator=generator)
-        offsets = starts[:, None] + torch.arange(self.seq_len)
-        input_ids = self.data[offsets].long()
-        return input_ids, input_ids.clone()
-
-
-def load_byte_splits(paths: Sequence[str | Path], glob: str, val_fraction: float,
-                     seq_len: int) -> tuple[ByteWindows, ByteWindows]:
-    """Train and validation windows over the files in ``paths`` (stdlib if empty)."""
-    files = find_files(paths, glob) if paths else stdlib_sources()
-    splits: dict[bool, list[bytes]] = {False: [], True: []}
-    for f in files:
-        splits[in_validation(f, val_fraction)].append(f.read_bytes())
-    data = {val: torch.from_numpy(np.frombuffer(b"".join(parts), dtype=np.uint8).copy())
-            for val, parts in splits.items()}
-    for val, name in ((False, "train"), (True, "validation")):
-        if len(data[val]) < seq_len:
-            raise ValueError(
-                f"data_paths: the {name} split of {len(files)} file(s) holds "
-                f"{len(data[val])} bytes, fewer than seq_len={seq_len}; "
-                "give more files or change val_fraction")
-    return ByteWindows(data[False], seq_len), ByteWindows(data[True], seq_len)

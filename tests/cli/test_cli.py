@@ -39,7 +39,14 @@ def _nats(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
     ["train", "--task", "poetry"],
     ["train", "--device", "tpu"],
     ["train", "--lr", "-1"],
-    ["train", "--task", "bytes", "--data", "/no/such/corpus"],
+    ["train", "--preset", "bytes-small", "--data", "/no/such/corpus"],
+    ["train", "--preset", "bytes-small", "--streaming", "--data", "/no/such/corpus"],
+    ["train", "--preset", "bytes-small", "--data", "."],  # an empty folder: no documents
+    ["train", "--preset", "bytes-small", "--tokenizer", "/no/such/tokenizer"],
+    ["train", "--preset", "bytes-small", "--tokenizer", "."],  # no tokenizer.json
+    ["train", "--data-format", "xml"],
+    ["train", "--eval-seed", "-1"],
+    ["train", "--task", "needle", "--seq-len", "8"],
     ["generate", "/no/such/model"],
     ["generate", "."],
     ["info", "/no/such/model"],

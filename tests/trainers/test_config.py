@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from nats import ConfigError
+from nats import ConfigError, NatsConfig
 from nats.trainers import PRESETS, TrainConfig, preset, run_config, save_checkpoint
 from nats.trainers.loop import build_optimizer
 
@@ -27,7 +27,7 @@ def test_tiny_preset_is_a_small_nats_model() -> None:
 
 
 @pytest.mark.parametrize(("changes", "field", "allowed"), [
-    ({"task": "poems"}, "task", "'copy', 'mqar', 'bytes'"),
+    ({"task": "poems"}, "task", "'copy', 'mqar', 'needle', 'text'"),
     ({"steps": 0}, "steps", "integer >= 1"),
     ({"batch_size": 2.5}, "batch_size", "integer >= 1"),
     ({"warmup_steps": -1}, "warmup_steps", "integer >= 0"),
@@ -41,7 +41,16 @@ def test_tiny_preset_is_a_small_nats_model() -> None:
     ({"copy_symbols": 64}, "copy_symbols", "vocab_size - 1 = 63"),
     ({"task": "mqar", "mqar_pairs": 9, "seq_len": 32}, "seq_len", "4 * mqar_pairs = 36"),
     ({"task": "mqar", "mqar_pairs": 40, "seq_len": 512}, "mqar_pairs", "= 31"),
-    ({"task": "bytes"}, "model.vocab_size", "at least 256"),
+    ({"task": "text"}, "model.vocab_size", "at least 256"),
+    ({"eval_seed": -1}, "eval_seed", "integer >= 0"),
+    ({"data_format": "xml"}, "data_format", "'parquet', 'saved'"),
+    ({"text_field": ""}, "text_field", "non-empty string"),
+    ({"data_glob": ""}, "data_glob", "non-empty string"),
+    ({"tokenizer": ""}, "tokenizer", "tokenizer.json"),
+    ({"streaming": "yes"}, "streaming", "true or false"),
+    ({"needle_key_len": 0}, "needle_key_len", "integer >= 1"),
+    ({"task": "needle", "model": NatsConfig(vocab_size=15)}, "model.vocab_size", "at least 16"),
+    ({"task": "needle", "seq_len": 20}, "seq_len", "+ 7) + 1 = 21"),
 ])
 def test_bad_values_name_the_field_and_the_allowed_values(
         micro: MicroConfig, changes: dict[str, Any], field: str, allowed: str) -> None:

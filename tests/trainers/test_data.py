@@ -1,21 +1,66 @@
-"""Seeded batch streams and the byte-level text corpus."""
+"""Seeded batch streams and text corpora: formats, splits, packing, streaming, tokenizers.
+
+Expected token streams are built here by hand from the documents (UTF-8 bytes, a 0 byte
+after each document), never by the code under test.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from nats.trainers import build_batches, decode_tokens, encode_text, load_byte_splits
+from nats import ConfigError
+from nats.trainers import build_batches, decode_tokens, encode_text, load_tokenizer
+from nats.trainers import text_data as td
 from nats.trainers.data import stream_generator
-from nats.trainers.text import in_validation, stdlib_sources
+from nats.trainers.text import stdlib_sources
+from nats.trainers.text_data import in_validation, resolve_corpus
+from nats.trainers.tokenization import ByteTokenizer
 
 from .conftest import MicroConfig
 
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-def test_streams_are_reproducible_and_independent(micro: MicroConfig) -> None:
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Token caches of these tests live and die with the test."""
+    monkeypatch.setenv("NATS_CACHE_DIR", str(tmp_path / "cache"))
+    td._memory_cache.clear()
+
+
+def _text(micro: MicroConfig, **changes) -> object:
+    model = micro().model.replace(vocab_size=changes.pop("vocab_size", 256))
+    return micro(task="text", model=model, **changes)
+
+
+def _docs(stream: torch.Tensor | bytes) -> list[str]:
+    """The documents of a byte-level packed stream (each ends with a 0 byte)."""
+    data = bytes(stream.tolist()) if isinstance(stream, torch.Tensor) else stream
+    assert data.endswith(b"\0")
+    return [d.decode() for d in data.split(b"\0")[:-1]]
+
+
+def _packed(texts: list[str]) -> bytes:
+    return b"".join(t.encode() + b"\0" for t in texts)
+
+
+def _records(n: int = 60) -> list[str]:
+    return [f"record {i}: café ∑ {'x' * (i % 7)}\nline two of {i}" for i in range(n)]
+
+
+# --- seeded streams ------------------------------------------------------------------------
+
+def test_streams_are_reproducible_and_train_and_eval_seeds_are_separate(
+        micro: MicroConfig) -> None:
     batches = build_batches(micro())
     assert torch.equal(batches.train(5)[0], build_batches(micro()).train(5)[0])
     assert not torch.equal(batches.train(5)[0], batches.train(6)[0])
@@ -23,54 +68,319 @@ def test_streams_are_reproducible_and_independent(micro: MicroConfig) -> None:
     first, again = batches.eval(2), batches.eval(2)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(first, again, strict=True))
     assert not torch.equal(first[0][0], batches.train(0)[0])
+    # Evaluation follows eval_seed alone, training follows seed alone.
+    other_eval = build_batches(micro(eval_seed=7))
+    assert not torch.equal(other_eval.eval(1)[0][0], first[0][0])
+    assert torch.equal(other_eval.train(5)[0], batches.train(5)[0])
+    assert torch.equal(build_batches(micro(seed=3)).eval(1)[0][0], first[0][0])
+    # Equal seeds still give different streams.
+    same = build_batches(micro(seed=4, eval_seed=4))
+    assert not torch.equal(same.eval(1)[0][0], same.train(0)[0])
     a = torch.rand(3, generator=stream_generator(0, "train", 1))
     assert not torch.equal(a, torch.rand(3, generator=stream_generator(0, "eval", 1)))
+    assert batches.bytes_per_token is None and not batches.streaming
 
 
-def test_mqar_and_copy_batches_follow_the_config(micro: MicroConfig) -> None:
+def test_generated_batches_follow_the_config(micro: MicroConfig) -> None:
     x, y = build_batches(micro(task="mqar", seq_len=32, mqar_pairs=4)).train(0)
     assert x.shape == (2, 32) and (y != -100).sum(1).tolist() == [4, 4]
     x, y = build_batches(micro(copy_symbols=3)).train(0)
     assert x.shape == (2, 33) and x.max() <= 3
+    x, y = build_batches(micro(task="needle", seq_len=40, needle_key_len=2)).train(0)
+    assert x.shape == (2, 40) and (y != -100).sum(1).tolist() == [7, 7]
+    assert torch.equal(y[:, -7:], x[:, -7:]) and x[:, -7:].max() <= 9
 
 
-def _corpus(root: Path, n: int = 40) -> dict[Path, bytes]:
+# --- text: formats and splits --------------------------------------------------------------
+
+def _text_files(root: Path, n: int = 40) -> dict[Path, str]:
     files = {}
     for i in range(n):
-        path = root / f"pkg{i % 3}" / f"mod{i}.py"
+        path = root / f"pkg{i % 3}" / f"mod{i}.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
-        files[path] = f"# module {i}\nVALUE = {i * 7}\n".encode() * 3
-        path.write_bytes(files[path])
-    (root / "notes.txt").write_bytes(b"not python")
+        files[path] = f"# module {i} é\nVALUE = {i * 7}\n" * 3
+        path.write_text(files[path], encoding="utf-8")
+    (root / ".hidden.txt").write_text("hidden")
+    (root / "__pycache__").mkdir()
+    (root / "__pycache__" / "x.txt").write_text("cache")
     return files
 
 
-def test_byte_splits_partition_the_files_by_name(tmp_path: Path) -> None:
-    files = _corpus(tmp_path)
-    train, val = load_byte_splits([tmp_path], "**/*.py", 0.25, seq_len=8)
+def test_text_files_are_documents_split_by_file_name(micro: MicroConfig, tmp_path: Path) -> None:
+    files = _text_files(tmp_path)
+    batches = build_batches(_text(micro, data_paths=(str(tmp_path),), val_fraction=0.25,
+                                  seq_len=8))
     in_val = [p for p in sorted(files) if in_validation(p, 0.25)]
     assert 0 < len(in_val) < len(files)
-    assert bytes(val.data.tolist()) == b"".join(files[p] for p in in_val)
-    assert bytes(train.data.tolist()) == b"".join(files[p] for p in sorted(files)
-                                                  if p not in in_val)
-    x, y = train.sample(16, torch.Generator().manual_seed(0))
-    assert x.shape == (16, 8) and torch.equal(x, y)
-    text = bytes(train.data.tolist())
-    assert all(bytes(row) in text for row in x.tolist())
+    train_files = [p for p in sorted(files) if p not in in_val]
+    assert bytes(batches.eval_source.data.tolist()) == _packed([files[p] for p in in_val])
+    assert bytes(batches.train_source.data.tolist()) == _packed([files[p] for p in train_files])
+    assert batches.bytes_per_token == 1.0
+    x, y = batches.train(0)
+    assert x.shape == (2, 8) and torch.equal(x, y)
+    stream = bytes(batches.train_source.data.tolist())
+    assert all(bytes(row) in stream for row in x.tolist())
+    # The split of a file depends on its name only, not on the other files.
+    (tmp_path / "pkg0" / "extra.txt").write_text("another file")
+    more = build_batches(_text(micro, data_paths=(str(tmp_path),), val_fraction=0.25,
+                               seq_len=8))
+    assert set(_docs(batches.eval_source.data)) <= set(_docs(more.eval_source.data))
 
 
-def test_byte_splits_need_both_splits(tmp_path: Path) -> None:
-    _corpus(tmp_path)
-    with pytest.raises(ValueError, match="validation split"):
-        load_byte_splits([tmp_path], "**/*.py", 0.0, seq_len=8)
-    with pytest.raises(FileNotFoundError, match="data_paths"):
-        load_byte_splits([tmp_path / "missing"], "**/*.py", 0.1, seq_len=8)
+def test_jsonl_records_split_disjointly_and_pack_in_order(micro: MicroConfig,
+                                                           tmp_path: Path) -> None:
+    records = _records()
+    for part in range(2):
+        with open(tmp_path / f"part{part}.jsonl", "w", encoding="utf-8") as f:
+            for i, text in enumerate(records[part * 30:(part + 1) * 30]):
+                f.write(json.dumps({"id": i, "body": text}) + "\n")
+    batches = build_batches(_text(micro, data_paths=(str(tmp_path),), text_field="body",
+                                  val_fraction=0.3, seq_len=16))
+    train, val = _docs(batches.train_source.data), _docs(batches.eval_source.data)
+    assert train and val and not set(train) & set(val)
+    assert [r for r in records if r in set(val)] == val  # file order kept in each split
+    assert [r for r in records if r not in set(val)] == train
+    assert 5 < len(val) < 35
+    # The split is a property of a record, not of its position.
+    (tmp_path / "part0.jsonl").unlink()
+    again = build_batches(_text(micro, data_paths=(str(tmp_path / "part1.jsonl"),),
+                                text_field="body", val_fraction=0.3, seq_len=16))
+    assert set(_docs(again.eval_source.data)) == set(val) & set(records[30:])
 
 
-def test_default_corpus_is_the_standard_library() -> None:
+def test_parquet_records_pack_to_their_text(micro: MicroConfig, tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = _records(40)
+    pq.write_table(pa.table({"text": records, "n": list(range(40))}), tmp_path / "a.parquet")
+    batches = build_batches(_text(micro, data_paths=(str(tmp_path / "a.parquet"),),
+                                  val_fraction=0.3, seq_len=16))
+    train, val = _docs(batches.train_source.data), _docs(batches.eval_source.data)
+    assert sorted(train + val) == sorted(records) and not set(train) & set(val)
+    assert bytes(batches.train_source.data.tolist()) == _packed(
+        [r for r in records if r in set(train)])
+
+
+def test_saved_datasets_use_their_validation_split(micro: MicroConfig, tmp_path: Path) -> None:
+    from datasets import Dataset, DatasetDict
+
+    records = _records(30)
+    DatasetDict({"train": Dataset.from_dict({"text": records[:20]}),
+                 "test": Dataset.from_dict({"text": records[20:]})}).save_to_disk(
+        str(tmp_path / "dict"))
+    batches = build_batches(_text(micro, data_paths=(str(tmp_path / "dict"),), seq_len=16))
+    assert bytes(batches.train_source.data.tolist()) == _packed(records[:20])
+    assert bytes(batches.eval_source.data.tolist()) == _packed(records[20:])
+
+    Dataset.from_dict({"text": records, "n": list(range(30))}).save_to_disk(
+        str(tmp_path / "one"))
+    one = build_batches(_text(micro, data_paths=(str(tmp_path / "one"),), data_format="saved",
+                              val_fraction=0.3, seq_len=16))
+    train, val = _docs(one.train_source.data), _docs(one.eval_source.data)
+    assert train + val != records and sorted(train + val) == sorted(records)
+    assert val and not set(train) & set(val)
+
+
+def test_default_corpus_is_the_standard_library_and_loads_quickly(micro: MicroConfig) -> None:
     sources = stdlib_sources()
     assert Path(os.__file__) in sources
     assert not any("site-packages" in p.parts for p in sources)
+    started = time.perf_counter()
+    batches = build_batches(_text(micro, seq_len=64))
+    assert time.perf_counter() - started < 15  # ~2 s on 2 cores; a cached reload ~0.1 s
+    first = next(p for p in sources if not in_validation(p, 0.05))
+    text = first.read_text(encoding="utf-8", errors="replace")  # universal newlines, as read
+    assert bytes(batches.train_source.data[:len(text.encode()) + 1].tolist()) == \
+        text.encode() + b"\0"
+    val_files = [p for p in sources if in_validation(p, 0.05)]
+    assert 0 < len(val_files) < len(sources) / 10
+    assert batches.eval_source.data.count_nonzero() < len(batches.eval_source.data)
+    started = time.perf_counter()
+    build_batches(_text(micro, seq_len=64))
+    assert time.perf_counter() - started < 2
+
+
+# --- streaming -----------------------------------------------------------------------------
+
+def test_streaming_reads_the_packed_stream_in_order_and_resumes_exactly(
+        micro: MicroConfig, tmp_path: Path) -> None:
+    files = _text_files(tmp_path, n=12)
+    config = _text(micro, data_paths=(str(tmp_path),), val_fraction=0.25, seq_len=16,
+                   batch_size=3, streaming=True)
+    batches = build_batches(config)
+    assert batches.streaming and batches.bytes_per_token == 1.0
+    # An independent reading: train files in order, cycled, cut into 16-byte windows.
+    train = [p for p in sorted(files) if not in_validation(p, 0.25)]
+    epoch = _packed([files[p] for p in train])
+    steps = 2 * len(epoch) // (16 * 3) + 3  # well into the second epoch
+    stream = np.frombuffer(epoch * 3, dtype=np.uint8).copy()
+    expected = [torch.from_numpy(stream[16 * 3 * s: 16 * 3 * (s + 1)].reshape(3, 16)).long()
+                for s in range(steps)]
+    seen = [batches.train(s) for s in range(steps)]
+    for s in range(steps):
+        assert torch.equal(seen[s][0], expected[s]) and torch.equal(seen[s][1], expected[s])
+    # A resumed run starts at its step; an earlier step restarts the stream.
+    resumed = build_batches(config)
+    for s in (7, 8, 3, steps - 1):
+        assert torch.equal(resumed.train(s)[0], expected[s])
+    # Evaluation is the start of the validation stream, the same every time.
+    val = _packed([files[p] for p in sorted(files) if in_validation(p, 0.25)])
+    x, _ = batches.eval(2)[1]
+    assert bytes(x.flatten().tolist()) == (val * 2)[48:96]
+    assert torch.equal(batches.eval(2)[1][0], x)
+
+
+def test_streaming_records_match_the_in_memory_split(micro: MicroConfig, tmp_path: Path) -> None:
+    records = _records(50)
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps({"text": r}) + "\n" for r in records))
+    config = _text(micro, data_paths=(str(tmp_path),), val_fraction=0.3, seq_len=8,
+                   batch_size=2)
+    memory = build_batches(config)
+    streamed = build_batches(config.replace(streaming=True))
+    stream = memory.train_source.data
+    for s in (0, 1, 5):
+        assert torch.equal(streamed.train(s)[0], stream[16 * s: 16 * (s + 1)].view(2, 8).long())
+
+
+# --- tokenizers ----------------------------------------------------------------------------
+
+def _train_tokenizer(folder: Path, texts: list[str]) -> Path:
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_a_local_tokenizer_round_trips_and_packs(micro: MicroConfig, tmp_path: Path) -> None:
+    records = _records(40)
+    folder = _train_tokenizer(tmp_path / "tok", records)
+    tokenizer = load_tokenizer(folder)
+    from tokenizers import Tokenizer
+
+    reference = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    eos = reference.token_to_id("<|endoftext|>")
+    assert tokenizer.separator == eos and tokenizer.vocab_size == reference.get_vocab_size()
+    for text in ("def f(x):\n    return 'é→∑'\n", records[3]):
+        ids, n_bytes = tokenizer.pack([text])
+        assert ids.tolist() == [*reference.encode(text).ids, eos]
+        assert n_bytes == len(text.encode()) + 1
+        assert tokenizer.decode(ids[:-1].tolist()) == text
+
+    (tmp_path / "data.jsonl").write_text(
+        "".join(json.dumps({"text": r}) + "\n" for r in records))
+    config = _text(micro, data_paths=(str(tmp_path / "data.jsonl"),), tokenizer=str(folder),
+                   vocab_size=512, val_fraction=0.3, seq_len=8)
+    batches = build_batches(config)
+    plain = build_batches(config.replace(tokenizer=None))
+    val_docs = _docs(plain.eval_source.data)
+    expected = [i for d in val_docs for i in (*reference.encode(d).ids, eos)]
+    assert batches.eval_source.data.tolist() == expected
+    assert batches.bytes_per_token == pytest.approx(
+        sum(len(d.encode()) + 1 for d in val_docs) / len(expected))
+    assert batches.bytes_per_token > 1.5  # BPE merges bytes
+    assert batches.train(0)[0].max() < tokenizer.vocab_size
+    # The tokenized corpus is cached on disk and read back unchanged.
+    assert len(list((Path(os.environ["NATS_CACHE_DIR"]) / "tokens").glob("*.npz"))) == 1
+    td._memory_cache.clear()
+    assert build_batches(config).eval_source.data.tolist() == expected
+    streamed = build_batches(config.replace(streaming=True))
+    assert streamed.bytes_per_token == pytest.approx(batches.bytes_per_token)
+    assert streamed.train(0)[0].flatten().tolist() == \
+        batches.train_source.data[:16].tolist()
+
+
+# --- errors --------------------------------------------------------------------------------
+
+def _one_line_error(micro: MicroConfig, error: type[Exception], match: str, **changes) -> None:
+    with pytest.raises(error, match=match) as caught:
+        build_batches(_text(micro, **changes))
+    assert "\n" not in str(caught.value), str(caught.value)
+
+
+def test_bad_text_inputs_are_one_line_errors(micro: MicroConfig, tmp_path: Path) -> None:
+    _one_line_error(micro, FileNotFoundError, "does not exist",
+                    data_paths=(str(tmp_path / "missing"),))
+    (tmp_path / "empty").mkdir()
+    _one_line_error(micro, ValueError, "no files match", data_paths=(str(tmp_path / "empty"),))
+    blank = tmp_path / "blank"
+    blank.mkdir()
+    for i in range(20):
+        (blank / f"{i}.txt").write_text("")
+    (blank / "20.txt").write_text("a few bytes")
+    _one_line_error(micro, ValueError, r"the train split \(1 documents\) holds 12 tokens",
+                    data_paths=(str(blank),), val_fraction=0.0)
+    _one_line_error(micro, ValueError, r"the validation split \(0 documents\) is empty",
+                    data_paths=(str(blank),), val_fraction=0.0, seq_len=4)
+    _text_files(tmp_path / "small", n=4)
+    _one_line_error(micro, ValueError, "fewer than seq_len=100000",
+                    data_paths=(str(tmp_path / "small"),), val_fraction=0.5, seq_len=100_000)
+    _one_line_error(micro, ValueError, "fewer than seq_len=100000",
+                    data_paths=(str(tmp_path / "small"),), val_fraction=0.5, seq_len=100_000,
+                    streaming=True)
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"body": r, "n": 1}) + "\n" for r in _records(20)))
+    _one_line_error(micro, ValueError, "text_field: 'text' is not a field.*'body', 'n'",
+                    data_paths=(str(rows),))
+    _one_line_error(micro, ValueError, "text_field: 'n' holds int, not text",
+                    data_paths=(str(rows),), text_field="n")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["a", "b"]}), tmp_path / "t.parquet")
+    _one_line_error(micro, ValueError, "text_field: 'text' is not a field",
+                    data_paths=(str(tmp_path / "t.parquet"),))
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "a.txt").write_text("text")
+    (tmp_path / "mixed" / "b.jsonl").write_text('{"text": "json"}\n')
+    _one_line_error(micro, ValueError, "mixes json and text files",
+                    data_paths=(str(tmp_path / "mixed"),))
+    _one_line_error(micro, ValueError, "save_to_disk", data_paths=(str(rows),),
+                    data_format="saved")
+
+    _one_line_error(micro, FileNotFoundError, "holds no tokenizer.json",
+                    tokenizer=str(tmp_path / "empty"))
+    _one_line_error(micro, FileNotFoundError, "tokenizer: .* does not exist",
+                    tokenizer=str(tmp_path / "nowhere"))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "tokenizer.json").write_text("{not json")
+    pytest.importorskip("tokenizers")
+    _one_line_error(micro, ValueError, "not a valid tokenizer.json", tokenizer=str(
+        tmp_path / "bad"))
+    folder = _train_tokenizer(tmp_path / "tok", _records(20))
+    _one_line_error(micro, ValueError, r"has \d+ tokens, more than model.vocab_size=256",
+                    tokenizer=str(folder))
+    with pytest.raises(ConfigError, match=r"TrainConfig\.task = 'poems'"):
+        micro(task="poems")
+
+
+def test_text_is_read_without_the_network(micro: MicroConfig, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("no network connection may be opened")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps({"text": r}) + "\n"
+                                              for r in _records(30)))
+    _text_files(tmp_path / "t", n=10)
+    for path in (tmp_path / "r.jsonl", tmp_path / "t"):
+        build_batches(_text(micro, data_paths=(str(path),), val_fraction=0.5, seq_len=8))
+
+
+def test_file_names_are_not_glob_patterns(tmp_path: Path) -> None:
+    (tmp_path / "a[1].txt").write_text("brackets")
+    (tmp_path / "a1.txt").write_text("plain")
+    corpus = resolve_corpus([tmp_path / "a[1].txt"], val_fraction=0.0)
+    assert [t for _, batch in corpus.both() for t in batch] == ["brackets"]
+    assert ByteTokenizer().pack(["ab", ""])[0].tolist() == [97, 98, 0, 0]
 
 
 def test_bytes_round_trip() -> None:

@@ -107,7 +107,7 @@ def test_exported_model_reloads_exactly(micro: MicroConfig) -> None:
     assert torch.equal(loaded(x).logits, result.model(x).logits)
 
 
-@pytest.mark.parametrize("task", ["mqar", "bytes"])
+@pytest.mark.parametrize("task", ["mqar", "needle", "text"])
 def test_other_tasks_train(micro: MicroConfig, tmp_path: Path, task: str) -> None:
     corpus = tmp_path / "corpus"
     corpus.mkdir()

@@ -1,10 +1,11 @@
-"""Copy and MQAR batches have exactly the structure and loss masks their docstrings state."""
+"""Copy, MQAR and needle batches have exactly the structure and loss masks their docstrings
+state."""
 
 from __future__ import annotations
 
 import torch
 
-from nats.trainers import CopyTask, MQARTask
+from nats.trainers import CopyTask, MQARTask, NeedleTask
 
 IGNORE = -100
 
@@ -62,3 +63,51 @@ def test_mqar_query_gaps_favour_early_positions() -> None:
     _, y = MQARTask(256, 512, 8).sample(64, torch.Generator().manual_seed(0))
     positions = (y != IGNORE).nonzero()[:, 1].float() - 16
     assert positions.median() < (512 - 16) / 4
+
+
+def test_mqar_labels_are_only_on_query_values() -> None:
+    x, y = MQARTask(64, 48, 5).sample(8, torch.Generator().manual_seed(5))
+    scored = y != IGNORE
+    assert torch.equal(y[scored], x[scored])
+    assert scored[:, :10].sum() == 0 and scored.sum(1).tolist() == [5] * 8
+    # The token before every scored value is a key of the context (a query).
+    before = torch.roll(scored, -1, dims=1)
+    keys = x[:, 0:10:2]
+    assert all(set(x[i][before[i]].tolist()) == set(keys[i].tolist()) for i in range(8))
+
+
+def test_needle_layout_and_answer_labels() -> None:
+    vocab, seq_len, key_len = 40, 60, 3
+    task = NeedleTask(vocab, seq_len, key_len)
+    x, y = task.sample(256, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (256, seq_len) and x.dtype == y.dtype == torch.long
+    n = key_len + 7
+    hay = seq_len - 2 * n
+    keys = range(10, 10 + (vocab - 10) // 2)
+    depths = []
+    for row, labels in zip(x.tolist(), y.tolist(), strict=True):
+        body, question = row[:-n], row[-n:]
+        key, value = question[:key_len], question[key_len:]
+        assert all(t in keys for t in key)
+        assert all(0 <= d <= 9 for d in value) and value[0] != 0
+        # The only key and digit tokens of the body are the needle, at its depth.
+        special = [i for i, t in enumerate(body) if t < keys.stop]
+        depth = special[0]
+        assert special == list(range(depth, depth + n))
+        assert body[depth:depth + n] == question
+        assert all(keys.stop <= t < vocab for i, t in enumerate(body) if i not in special)
+        assert labels == [IGNORE] * (seq_len - 7) + value
+        depths.append(depth)
+    assert min(depths) <= 2 and max(depths) >= hay - 2 and len(set(depths)) > hay // 2
+    assert abs(sum(depths) / len(depths) - hay / 2) < hay / 8  # uniform over 0 .. hay
+
+
+def test_needle_works_at_the_smallest_vocab_and_length() -> None:
+    task = NeedleTask(NeedleTask.MIN_VOCAB, NeedleTask.min_seq_len(2), 2)
+    x, y = task.sample(64, torch.Generator().manual_seed(1))
+    assert x.shape[1] == 2 * 9 + 1 and x.max() < 16
+    assert torch.equal(y[:, -7:], x[:, -7:]) and (y[:, :-7] == IGNORE).all()
+    depth = (x[:, :-9] < 13).int().argmax(1)
+    assert set(depth.tolist()) == {0, 1}
+    again = task.sample(64, torch.Generator().manual_seed(1))
+    assert torch.equal(x, again[0]) and torch.equal(y, again[1])
