@@ -4,7 +4,9 @@ A corpus is a sequence of documents: one per text file, one per record of JSON /
 Lines / Parquet files or of a dataset folder written by ``save_to_disk``. Documents are
 split into train and validation, tokenized (UTF-8 bytes unless a ``tokenizer.json`` is
 given), and packed into one token stream with the tokenizer's separator after each
-document; a training sequence is a ``seq_len``-token window of that stream.
+document; a training sequence is a ``seq_len``-token window of that stream. Text files are
+read as UTF-8 with universal newlines (``\r\n`` becomes ``\n``; undecodable bytes become
+U+FFFD); empty documents are skipped.
 
 * Split. Text files go to validation by a stable hash of their name (never by the file
   list), records by a seeded hash of their text (identical records share a split); a saved
