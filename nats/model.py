@@ -27,6 +27,16 @@ CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 IGNORE_INDEX = -100
 
 
+def next_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
+                             reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of position ``t``'s logits against ``labels[t + 1]``, in float32.
+
+    ``labels`` has the shape of the inputs (HF convention); ``-100`` positions carry no loss.
+    """
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                           ignore_index=IGNORE_INDEX, reduction=reduction)
+
+
 class SwiGLU(nn.Module):
     def __init__(self, d_model: int, hidden: int) -> None:
         super().__init__()
@@ -124,8 +134,7 @@ class NatsForCausalLM(nn.Module):
         regs = [r.reg for r in routings if r is not None]
         out.reg_loss = torch.stack(regs).mean() if regs else logits.new_zeros(())
         if labels is not None:
-            out.ce_loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
-                                          labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX)
+            out.ce_loss = next_token_cross_entropy(logits, labels)
             out.loss = out.ce_loss + out.reg_loss
         return out
 

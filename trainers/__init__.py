@@ -3,7 +3,9 @@
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import PRESETS, TASKS, TrainConfig, preset, run_config
 from .data import Batches, build_batches
-from .loop import TrainResult, evaluate, resolve_device, train
+from .distributed import World, resolve_device
+from .evaluation import Evaluation, evaluate
+from .loop import TrainResult, train
 from .synthetic import CopyTask, MQARTask, NeedleTask
 from .text import decode_tokens, encode_text, generate_text
 from .text_data import Corpus, StreamWindows, TokenWindows, load_text_sources, resolve_corpus
@@ -16,6 +18,7 @@ __all__ = [
     "ByteTokenizer",
     "CopyTask",
     "Corpus",
+    "Evaluation",
     "FileTokenizer",
     "MQARTask",
     "NeedleTask",
@@ -23,6 +26,7 @@ __all__ = [
     "TokenWindows",
     "TrainConfig",
     "TrainResult",
+    "World",
     "build_batches",
     "decode_tokens",
     "encode_text",

@@ -24,6 +24,8 @@ DATA_FORMATS = ("auto", "text", "json", "parquet", "saved")
 
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 DEVICES = "'auto', 'cpu', 'cuda' or 'cuda:N'"
+PRECISIONS = ("auto", "fp32", "bf16")
+"""``auto``: bf16 autocast on a GPU that supports it, fp32 otherwise."""
 
 
 def _fail(name: str, value: Any, allowed: str) -> NoReturn:
@@ -44,6 +46,11 @@ class TrainConfig:
     warmup_steps: int = 50
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    grad_accum_steps: int = 1
+    precision: str = "auto"
+    compile: bool = False
+    init_from: str | None = None
+    """A saved model folder (``save_pretrained``/``nats export``) whose weights start the run."""
     eval_interval: int = 100
     eval_batches: int = 2
     log_interval: int = 10
@@ -75,7 +82,7 @@ class TrainConfig:
             _fail("task", self.task, f"one of {TASKS}")
         for name in ("steps", "batch_size", "seq_len", "eval_interval", "eval_batches",
                      "log_interval", "checkpoint_interval", "keep_checkpoints", "copy_symbols",
-                     "mqar_pairs", "needle_key_len"):
+                     "mqar_pairs", "grad_accum_steps", "needle_key_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 _fail(name, value, "an integer >= 1")
@@ -95,6 +102,16 @@ class TrainConfig:
                 _fail(name, value, "a number in [0, 1]")
         if not isinstance(self.device, str) or not DEVICE_PATTERN.match(self.device):
             _fail("device", self.device, DEVICES)
+        if self.batch_size % self.grad_accum_steps:
+            _fail("grad_accum_steps", self.grad_accum_steps,
+                  f"a divisor of batch_size={self.batch_size} (the batch is split into them)")
+        if self.precision not in PRECISIONS:
+            _fail("precision", self.precision, f"one of {PRECISIONS}")
+        if not isinstance(self.compile, bool):
+            _fail("compile", self.compile, "true or false")
+        if self.init_from is not None and (not isinstance(self.init_from, str)
+                                           or not self.init_from):
+            _fail("init_from", self.init_from, "null or a saved model folder")
         if not isinstance(self.out_dir, str) or not self.out_dir:
             _fail("out_dir", self.out_dir, "a non-empty path")
         if not isinstance(self.data_paths, tuple) or not all(

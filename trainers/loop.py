@@ -1,7 +1,8 @@
-"""The training loop: AdamW steps, periodic evaluation, TensorBoard, checkpoints, export.
+"""The training loop: AdamW steps with accumulation, evaluation, TensorBoard, checkpoints.
 
 Ctrl-C does not kill a run: the first press finishes the current step, saves a
-checkpoint and returns (``interrupted=True``); a second press stops at once.
+checkpoint and returns (``interrupted=True``); a second press stops at once. Under
+``torchrun`` the loop is data parallel (see :mod:`.distributed`).
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from pathlib import Path
 from types import FrameType
 
 import torch
-from torch.utils.tensorboard import SummaryWriter
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from nats import NatsForCausalLM
-from nats.analysis.routing_maps import routing_map_image
 from nats.atomic_write import atomic_write_bytes
+from nats.model import next_token_cross_entropy
 
 from .checkpoint import (
     latest_checkpoint,
@@ -30,10 +31,13 @@ from .checkpoint import (
     read_checkpoint_meta,
     save_checkpoint,
 )
-from .config import DEVICE_PATTERN, DEVICES, TrainConfig
-from .data import Batches, build_batches
+from .config import TrainConfig
+from .data import build_batches
+from .distributed import World, joined_world
+from .evaluation import evaluate, frac_scalars, labelled_token_count
 from .optim import build_optimizer, lr_at, set_lr
 from .synthetic import Batch
+from .tensorboard_log import RunLog
 
 EvalCallback = Callable[[int, dict[str, float]], None]
 """Called after every evaluation with the step and the metrics (e.g. to report to Tune)."""
@@ -51,17 +55,6 @@ class TrainResult:
     interrupted: bool
     checkpoint: Path | None
     """The newest checkpoint on disk when the call returned."""
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` means CUDA when there is one; asking for absent CUDA is an error."""
-    if not DEVICE_PATTERN.match(name):
-        raise ValueError(f"device {name!r} is invalid: must be {DEVICES}")
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} is invalid: CUDA is not available here")
-    return torch.device(name)
 
 
 class _StopRequest:
@@ -88,52 +81,64 @@ class _StopRequest:
             signal.signal(signal.SIGINT, previous)
 
 
-def _to(batch: Batch, device: torch.device) -> Batch:
-    return batch[0].to(device), batch[1].to(device)
+def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast when asked for, or by default on a GPU with bf16; else nothing."""
+    bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda"
+                                   and torch.cuda.is_bf16_supported())
+    if not bf16:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
-def _frac_scalars(prefix: str, attn_frac: list[torch.Tensor | None]) -> dict[str, float]:
-    """``{prefix/attn_frac/layer{i}/head{h}: fraction}`` for every NAtS layer."""
-    return {f"{prefix}/attn_frac/layer{i}/head{h}": float(v)
-            for i, frac in enumerate(attn_frac) if frac is not None
-            for h, v in enumerate(frac.detach().float().cpu())}
+@dataclass
+class _StepStats:
+    loss: float
+    ce: float
+    reg: float
+    attn_frac: list[torch.Tensor | None]
 
 
-@torch.no_grad()
-def evaluate(model: NatsForCausalLM, batches: list[Batch], device: torch.device,
-             ) -> tuple[dict[str, float], list[torch.Tensor | None]]:
-    """Mean eval metrics over ``batches``, and the routes the model took on the first one.
+def _train_step(forward: Callable, ddp: DistributedDataParallel | None, batch: Batch,
+                config: TrainConfig, world: World, device: torch.device,
+                autocast: contextlib.AbstractContextManager) -> _StepStats:
+    """Gradients of one global batch, split over ranks and ``grad_accum_steps`` micro-batches.
 
-    Runs under a forked RNG so that evaluating never changes the training stream.
+    Each micro-batch's loss is weighted by its share of the global batch's labelled tokens
+    (the regulariser by its share of sequences), so the gradient equals that of the whole
+    batch in one piece however it is split.
     """
-    was_training = model.training
-    model.eval()
-    sums: dict[str, float] = {}
-    first_routes: list[torch.Tensor | None] = []
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        for i, batch in enumerate(batches):
-            input_ids, labels = _to(batch, device)
-            out = model(input_ids, labels=labels)
-            metrics = {"eval/loss": out.loss.item(), "eval/ce": out.ce_loss.item(),
-                       "eval/reg": out.reg_loss.item(), **_frac_scalars("eval", out.attn_frac)}
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v
-            if i == 0:
-                first_routes = list(out.routes)
-    model.train(was_training)
-    return {k: v / len(batches) for k, v in sums.items()}, first_routes
-
-
-def _log_eval(writer: SummaryWriter, step: int, metrics: dict[str, float],
-              routes: list[torch.Tensor | None]) -> None:
-    for tag, value in metrics.items():
-        writer.add_scalar(tag, value, step)
-    for i, r in enumerate(routes):
-        if r is not None:
-            writer.add_image(f"routing/layer{i}", routing_map_image(r), step, dataformats="HWC")
-    fracs = " ".join(f"{v:.2f}" for k, v in metrics.items() if "/attn_frac/" in k)
-    tqdm.write(f"step {step}: eval loss {metrics['eval/loss']:.4f}"
-               f" ce {metrics['eval/ce']:.4f}" + (f" attn_frac [{fracs}]" if fracs else ""))
+    input_ids, labels = batch
+    global_rows, global_tokens = len(input_ids), max(labelled_token_count(labels), 1)
+    rows = world.rows(global_rows)
+    input_ids, labels = input_ids[rows].to(device), labels[rows].to(device)
+    micro = len(input_ids) // config.grad_accum_steps
+    totals = torch.zeros(2, device=device)  # ce summed over tokens, reg summed over rows
+    micro_fracs: list[list[torch.Tensor | None]] = []
+    for i in range(config.grad_accum_steps):
+        part = slice(i * micro, (i + 1) * micro)
+        last = i == config.grad_accum_steps - 1
+        with contextlib.nullcontext() if ddp is None or last else ddp.no_sync():
+            with autocast:
+                out = forward(input_ids[part])
+                ce_sum = next_token_cross_entropy(out.logits, labels[part], reduction="sum")
+            reg = out.reg_loss.float()
+            # DDP averages gradients over ranks: scale by the world size to get their sum.
+            loss = (ce_sum / global_tokens + reg * micro / global_rows) * world.size
+            loss.backward()
+        totals += torch.stack([ce_sum.detach(), reg.detach() * micro])
+        micro_fracs.append(out.attn_frac)
+    # Softmax fractions: mean over micro-batches (equal sizes), then over ranks.
+    fracs = [None if f is None else torch.stack([m[j] for m in micro_fracs]).float().mean(0)
+             for j, f in enumerate(micro_fracs[0])]
+    present = [f for f in fracs if f is not None]
+    summed = world.sum(torch.cat([totals, *present]).detach())
+    ce, reg_mean = float(summed[0]) / global_tokens, float(summed[1]) / global_rows
+    attn_frac: list[torch.Tensor | None] = []
+    offset = 2
+    for f in fracs:
+        attn_frac.append(None if f is None else summed[offset: offset + f.numel()] / world.size)
+        offset += 0 if f is None else f.numel()
+    return _StepStats(ce + reg_mean, ce, reg_mean, attn_frac)
 
 
 def _start_or_resume(config: TrainConfig, resume: bool, model: NatsForCausalLM,
@@ -141,6 +146,8 @@ def _start_or_resume(config: TrainConfig, resume: bool, model: NatsForCausalLM,
     """The first step to run: 0 for a new run, the checkpoint's step when resuming."""
     path = latest_checkpoint(config.out_dir)
     if path is None:
+        if config.init_from is not None:
+            _load_initial_weights(model, config)
         return 0
     if not resume:
         raise FileExistsError(f"{config.out_dir} already holds a run ({path.name}); resume it "
@@ -152,6 +159,26 @@ def _start_or_resume(config: TrainConfig, resume: bool, model: NatsForCausalLM,
     return restored.step
 
 
+def _load_initial_weights(model: NatsForCausalLM, config: TrainConfig) -> None:
+    """Start from a saved model's weights; its architecture must be the run's."""
+    saved = NatsForCausalLM.from_pretrained(config.init_from)
+    if saved.config.to_dict() != config.model.to_dict():
+        diff = sorted(k for k, v in config.model.to_dict().items()
+                      if saved.config.to_dict().get(k) != v)
+        raise ValueError(f"init_from: {config.init_from} holds another architecture than "
+                         f"the run's model (differs in {', '.join(diff)})")
+    model.load_state_dict(saved.state_dict())
+    tqdm.write(f"nats: starting from the weights in {config.init_from}")
+
+
+def _postfix(stats: _StepStats, lr: float, tokens_per_s: float) -> dict[str, str]:
+    postfix = {"loss": f"{stats.loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tokens_per_s:,.0f}"}
+    frac = frac_scalars("train", stats.attn_frac).get("train/attn_frac")
+    if frac is not None:
+        postfix["attn_frac"] = f"{frac:.2f}"
+    return postfix
+
+
 def train(config: TrainConfig, *, resume: bool = False,
           on_eval: EvalCallback | None = None) -> TrainResult:
     """Train ``config.model`` on ``config.task``; write logs, checkpoints and the model.
@@ -159,74 +186,116 @@ def train(config: TrainConfig, *, resume: bool = False,
     ``out_dir`` receives ``train_config.json``, TensorBoard events, ``checkpoints/`` and,
     at the end, the trained model in ``model/`` (``NatsForCausalLM.from_pretrained``).
     With ``resume``, training continues exactly where the newest checkpoint left off.
+    Under ``torchrun`` every rank calls this; only rank 0 writes files.
     """
-    device = resolve_device(config.device)
+    with joined_world(config.device) as (world, device):
+        return _train(config, resume, on_eval, world, device)
+
+
+def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, world: World,
+           device: torch.device) -> TrainResult:
+    if config.batch_size % (world.size * config.grad_accum_steps):
+        raise ValueError(f"TrainConfig.batch_size = {config.batch_size} is invalid: must be "
+                         f"a multiple of {world.size} processes x grad_accum_steps = "
+                         f"{config.grad_accum_steps}")
+    if config.compile and device.type == "cpu" and config.seq_len % config.model.chunk_size:
+        raise ValueError(
+            f"TrainConfig.compile = True is invalid here: on a CPU, TorchInductor miscompiles "
+            f"the backward of a sequence that ends inside a chunk (seq_len={config.seq_len}, "
+            f"chunk_size={config.model.chunk_size}); use a multiple of chunk_size or no compile")
     out_dir = Path(config.out_dir)
-    batches: Batches = build_batches(config)
+    batches = build_batches(config)
     eval_batches = batches.eval(config.eval_batches)
+    autocast = autocast_for(config.precision, device)
 
     torch.manual_seed(config.seed)
     model = NatsForCausalLM(config.model).to(device)
     optimizer = build_optimizer(model, config)
     step = _start_or_resume(config, resume, model, optimizer)
+    ddp = DistributedDataParallel(model) if world.size > 1 else None
+    forward = ddp or model
+    if config.compile:
+        forward = torch.compile(forward)
     config_json = json.dumps(config.to_dict(), indent=2)
-    atomic_write_bytes(out_dir / "train_config.json", config_json.encode())
-    writer = SummaryWriter(str(out_dir), purge_step=step if step else None)
+    if world.is_main:
+        atomic_write_bytes(out_dir / "train_config.json", config_json.encode())
+    log = RunLog(out_dir, step, enabled=world.is_main)
     if step == 0:
-        writer.add_text("config", f"```\n{config_json}\n```", 0)
+        log.config(config_json)
+
+    def checkpoint_now() -> Path | None:
+        if not world.is_main:
+            return None
+        return save_checkpoint(out_dir, step, model, optimizer, config.to_dict(),
+                               config.keep_checkpoints,
+                               data_position=step * config.batch_size)
 
     losses: list[float] = []
     eval_metrics: dict[str, float] = {}
     checkpoint = latest_checkpoint(out_dir)
     saved_step = step if checkpoint is not None else -1
     stop = _StopRequest()
-    started = time.perf_counter()
+    started, first_step = time.perf_counter(), step
+    tokens_per_step = config.batch_size * config.seq_len
     model.train()
-    with stop.installed(), tqdm(total=config.steps, initial=step, disable=None,
-                                dynamic_ncols=True) as bar:
+    with stop.installed(), tqdm(total=config.steps, initial=step, dynamic_ncols=True,
+                                disable=None if world.is_main else True) as bar:
         n_params = sum(p.numel() for p in model.parameters())
-        tqdm.write(f"nats: training {n_params:,} parameters on '{config.task}' ({device}), "
-                   f"steps {step} -> {config.steps}, writing to {out_dir}")
+        if world.is_main:
+            tqdm.write(f"nats: training {n_params:,} parameters on '{config.task}' ({device}"
+                       f"{f' x {world.size} processes' if world.size > 1 else ''}), "
+                       f"steps {step} -> {config.steps}, writing to {out_dir}")
         while step < config.steps and not stop.requested:
             lr = lr_at(step, config)
             set_lr(optimizer, lr)
-            input_ids, labels = _to(batches.train(step), device)
-            out = model(input_ids, labels=labels)
             optimizer.zero_grad(set_to_none=True)
-            out.loss.backward()
+            stats = _train_step(forward, ddp, batches.train(step), config, world, device,
+                                autocast)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
             optimizer.step()
             step += 1
-            losses.append(out.loss.item())
+            losses.append(stats.loss)
+            rate = tokens_per_step * (step - first_step) / (time.perf_counter() - started)
             bar.update(1)
-            bar.set_postfix(loss=f"{losses[-1]:.4f}", lr=f"{lr:.2e}")
+            bar.set_postfix(_postfix(stats, lr, rate))
 
             if step % config.log_interval == 0:
-                scalars = {"train/loss": losses[-1], "train/ce": out.ce_loss.item(),
-                           "train/reg": out.reg_loss.item(), "train/lr": lr,
-                           "train/grad_norm": float(grad_norm),
-                           **_frac_scalars("train", out.attn_frac)}
-                for tag, value in scalars.items():
-                    writer.add_scalar(tag, value, step)
+                log.scalars({"train/loss": stats.loss, "train/ce": stats.ce,
+                             "train/reg": stats.reg, "train/lr": lr,
+                             "train/grad_norm": float(grad_norm), "train/tokens_per_s": rate,
+                             **frac_scalars("train", stats.attn_frac)}, step)
             if step % config.eval_interval == 0 or step == config.steps:
-                eval_metrics, routes = evaluate(model, eval_batches, device)
-                _log_eval(writer, step, eval_metrics, routes)
+                result = evaluate(model, eval_batches, device, autocast,
+                                  batches.bytes_per_token)
+                eval_metrics = result.metrics
+                log.evaluation(result, step)
+                if world.is_main:
+                    tqdm.write(_eval_line(step, eval_metrics))
                 if on_eval is not None:
                     on_eval(step, eval_metrics)
             if step % config.checkpoint_interval == 0:
-                checkpoint = save_checkpoint(out_dir, step, model, optimizer, config.to_dict(),
-                                             config.keep_checkpoints)
+                checkpoint = checkpoint_now()
                 saved_step = step
 
     if saved_step != step:
-        checkpoint = save_checkpoint(out_dir, step, model, optimizer, config.to_dict(),
-                                     config.keep_checkpoints)
+        checkpoint = checkpoint_now()
     interrupted = step < config.steps
     if interrupted:
-        tqdm.write(f"nats: interrupted at step {step}; checkpoint saved to {checkpoint}")
+        if world.is_main:
+            tqdm.write(f"nats: interrupted at step {step}; checkpoint saved to {checkpoint}")
     else:
-        model.save_pretrained(out_dir / "model")
-        tqdm.write(f"nats: done, {step} steps in {time.perf_counter() - started:.1f} s; "
-                   f"model saved to {out_dir / 'model'}")
-    writer.close()
+        log.hparams(config.to_dict(), eval_metrics)
+        if world.is_main:
+            model.save_pretrained(out_dir / "model")
+            tqdm.write(f"nats: done, {step} steps in {time.perf_counter() - started:.1f} s; "
+                       f"model saved to {out_dir / 'model'}")
+    log.close()
     return TrainResult(model, step, losses, eval_metrics, interrupted, checkpoint)
+
+
+def _eval_line(step: int, metrics: dict[str, float]) -> str:
+    """One console line per evaluation: the headline metrics, not every head's fraction."""
+    names = ("loss", "ppl", "bpb", "acc", "seq_acc", "attn_frac")
+    parts = [f"{name} {metrics[f'eval/{name}']:.4g}" for name in names
+             if f"eval/{name}" in metrics]
+    return f"step {step}: eval " + ", ".join(parts)

@@ -9,10 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams import plugin_data_pb2
 
 from nats import NatsForCausalLM
 from nats.analysis import routing_map_image
 from nats.trainers import build_batches, evaluate, latest_checkpoint, preset, train
+from nats.trainers.tensorboard_log import MAP_SEQUENCES
 
 from .conftest import MicroConfig
 
@@ -57,30 +59,99 @@ def test_refuses_to_overwrite_a_run(micro: MicroConfig) -> None:
         train(config.replace(model=config.model.replace(d_model=16)), resume=True)
 
 
-def test_tensorboard_has_losses_fractions_and_routing_maps(micro: MicroConfig) -> None:
+def test_tensorboard_has_losses_fractions_maps_histograms_and_hparams(
+        micro: MicroConfig) -> None:
     config = micro()
     result = train(config)
     events = EventAccumulator(config.out_dir, size_guidance={
         "images": 0, "scalars": 0, "histograms": 0, "tensors": 0})
     events.Reload()
     scalars = set(events.Tags()["scalars"])
-    assert {"train/loss", "train/ce", "train/reg", "train/lr", "eval/loss"} <= scalars
+    assert {"train/loss", "train/ce", "train/reg", "train/lr", "train/tokens_per_s",
+            "eval/loss", "eval/ce", "eval/ppl", "eval/acc", "eval/seq_acc"} <= scalars
     for prefix in ("train", "eval"):
         assert {f"{prefix}/attn_frac/layer{i}/head{h}" for i in range(2) for h in range(2)} \
             <= scalars
+        assert {f"{prefix}/attn_frac/layer{i}" for i in range(2)} <= scalars
     losses = events.Scalars("train/loss")
     assert [e.step for e in losses] == list(range(1, 7))
     assert [e.value for e in losses] == pytest.approx(result.train_losses)
     assert [e.step for e in events.Scalars("eval/loss")] == [3, 6]
+    assert events.Scalars("eval/ppl")[-1].value == pytest.approx(
+        math.exp(events.Scalars("eval/ce")[-1].value), rel=1e-5)
 
     assert set(events.Tags()["images"]) == {"routing/layer0", "routing/layer1"}
     image = events.Images("routing/layer1")[-1]
-    _, routes = evaluate(result.model, build_batches(config).eval(1), torch.device("cpu"))
-    expected = routing_map_image(routes[1])
+    routes = evaluate(result.model, build_batches(config).eval(1), torch.device("cpu")).routes
+    expected = routing_map_image(routes[1][:MAP_SEQUENCES])
     assert (image.step, image.height, image.width) == (6, *expected.shape[:2])
     n_chunks = math.ceil(config.seq_len / config.model.chunk_size)
-    assert expected.shape[0] % n_chunks == 0
-    assert expected.shape[1] % (config.batch_size * config.model.n_heads) == 0
+    rows = min(config.batch_size, MAP_SEQUENCES) * config.model.n_heads
+    assert expected.shape[0] % rows == 0 and expected.shape[1] % n_chunks == 0
+    assert expected.shape[0] // rows == expected.shape[1] // n_chunks  # square cells
+
+    assert set(events.Tags()["histograms"]) == {"routing/softmax_prob/layer0",
+                                                "routing/softmax_prob/layer1"}
+    histogram = events.Histograms("routing/softmax_prob/layer0")[-1].histogram_value
+    n_scored = config.eval_batches * config.batch_size * n_chunks * config.model.n_heads
+    assert histogram.num == n_scored and 0 <= histogram.min <= histogram.max <= 1
+    assert "config/text_summary" in events.Tags()["tensors"]
+
+    hparams = EventAccumulator(str(Path(config.out_dir) / "hparams"))
+    hparams.Reload()
+    content = hparams.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    session = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
+    assert session.hparams["model.d_model"].number_value == config.model.d_model
+    assert session.hparams["task"].string_value == "copy"
+    assert session.hparams["model.layer_types"].string_value == "nats,nats"
+    assert {"eval/loss", "eval/acc"} <= set(hparams.Tags()["scalars"])
+
+
+def test_gradient_accumulation_matches_one_large_batch(micro: MicroConfig,
+                                                       tmp_path: Path) -> None:
+    # MQAR labels only some positions, so micro-batches hold different token counts.
+    model = micro().model.replace(vocab_size=64)
+    whole = train(micro(task="mqar", batch_size=4, seq_len=32, mqar_pairs=4, model=model,
+                        out_dir=str(tmp_path / "whole")))
+    split = train(micro(task="mqar", batch_size=4, seq_len=32, mqar_pairs=4, model=model,
+                        grad_accum_steps=4, out_dir=str(tmp_path / "split")))
+    assert split.train_losses == pytest.approx(whole.train_losses, rel=1e-5)
+    for (name, a), (_, b) in zip(whole.model.state_dict().items(),
+                                 split.model.state_dict().items(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_init_from_starts_at_the_saved_weights(micro: MicroConfig, tmp_path: Path) -> None:
+    first = train(micro(steps=3, out_dir=str(tmp_path / "first")))
+    saved = str(tmp_path / "first" / "model")
+    # One step at a negligible rate: the weights stay where the run started.
+    second = train(micro(steps=1, lr=1e-12, warmup_steps=0, init_from=saved,
+                         out_dir=str(tmp_path / "second")))
+    for (name, a), (_, b) in zip(first.model.state_dict().items(),
+                                 second.model.state_dict().items(), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-8, msg=name)
+    with pytest.raises(ValueError, match=r"another architecture.*d_model"):
+        train(micro(init_from=saved, model=micro().model.replace(d_model=48),
+                    out_dir=str(tmp_path / "third")))
+
+
+@pytest.mark.slow
+def test_compiled_training_follows_eager(micro: MicroConfig, tmp_path: Path) -> None:
+    # One layer keeps TorchInductor's compile time (minutes on 2 cores) down.
+    model = micro().model.replace(n_layers=1, layer_types=("nats",))
+    eager = train(micro(steps=2, seq_len=32, model=model, out_dir=str(tmp_path / "eager")))
+    compiled = train(micro(steps=2, seq_len=32, model=model, compile=True,
+                           out_dir=str(tmp_path / "comp")))
+    assert compiled.train_losses == pytest.approx(eager.train_losses, rel=1e-4)
+    with pytest.raises(ValueError, match="multiple of chunk_size"):
+        train(micro(compile=True, seq_len=33, out_dir=str(tmp_path / "odd")))
+
+
+def test_bf16_autocast_trains_close_to_fp32(micro: MicroConfig, tmp_path: Path) -> None:
+    fp32 = train(micro(precision="fp32", out_dir=str(tmp_path / "fp32")))
+    bf16 = train(micro(precision="bf16", out_dir=str(tmp_path / "bf16")))
+    assert bf16.train_losses == pytest.approx(fp32.train_losses, rel=3e-2)
+    assert bf16.train_losses != fp32.train_losses  # autocast really ran in bf16
 
 
 def test_loss_falls_on_the_copy_task(micro: MicroConfig) -> None:

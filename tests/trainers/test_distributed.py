@@ -1,0 +1,52 @@
+"""Data parallel training under torchrun (two CPU processes over Gloo) against one process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nats import NatsForCausalLM
+from nats.trainers import train
+
+from .conftest import MicroConfig
+
+WORKER = """
+import json, sys
+from nats.trainers import TrainConfig, train
+config = TrainConfig.from_dict(json.loads(open(sys.argv[1]).read()))
+result = train(config)
+if int(__import__("os").environ["RANK"]) == 0:
+    open(sys.argv[2], "w").write(json.dumps(result.train_losses))
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_follow_the_single_process_run(micro: MicroConfig,
+                                                     tmp_path: Path) -> None:
+    model = micro().model.replace(vocab_size=64)
+    common = dict(task="mqar", batch_size=4, seq_len=32, mqar_pairs=4, model=model)
+    single = train(micro(**common, out_dir=str(tmp_path / "single")))
+
+    config = micro(**common, grad_accum_steps=2, out_dir=str(tmp_path / "ddp"))
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    (tmp_path / "worker.py").write_text(WORKER)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "2", str(tmp_path / "worker.py"), str(tmp_path / "config.json"),
+         str(tmp_path / "losses.json")],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    assert losses == pytest.approx(single.train_losses, rel=1e-5)
+    ddp_model = NatsForCausalLM.from_pretrained(tmp_path / "ddp" / "model")
+    for (name, a), (_, b) in zip(single.model.state_dict().items(),
+                                 ddp_model.state_dict().items(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
+    # Only rank 0 wrote: one events file, one checkpoint folder.
+    assert len(list((tmp_path / "ddp").glob("events.out.tfevents.*"))) == 1

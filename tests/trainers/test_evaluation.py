@@ -1,0 +1,73 @@
+"""Evaluation metrics against a position-by-position recount."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nats import NatsConfig, NatsForCausalLM
+from nats.model import IGNORE_INDEX
+from nats.trainers import evaluate
+
+
+@torch.no_grad()
+def _recount(model: NatsForCausalLM, batches) -> dict[str, float]:
+    """Loss, accuracy and exact-sequence accuracy by looping over every label."""
+    nll, tokens, correct, sequences, solved = 0.0, 0, 0, 0, 0
+    for input_ids, labels in batches:
+        logits = model(input_ids).logits.double()
+        for b in range(len(input_ids)):
+            right = []
+            for t in range(1, input_ids.shape[1]):
+                label = int(labels[b, t])
+                if label == IGNORE_INDEX:
+                    continue
+                row = logits[b, t - 1]
+                nll -= float(row[label] - torch.logsumexp(row, 0))
+                right.append(int(row.argmax()) == label)
+            tokens += len(right)
+            correct += sum(right)
+            if right:
+                sequences += 1
+                solved += all(right)
+    return {"ce": nll / tokens, "acc": correct / tokens, "seq_acc": solved / sequences}
+
+
+def test_metrics_match_a_recount_over_labelled_positions() -> None:
+    torch.manual_seed(0)
+    config = NatsConfig(vocab_size=8, d_model=16, n_layers=2, n_heads=2, head_dim_k=8,
+                        head_dim_v=8, chunk_size=16, layer_types=("nats", "softmax"))
+    model = NatsForCausalLM(config).eval()
+    batches = []
+    for n_labels in (5, 1):  # batches with different numbers of labelled tokens
+        input_ids = torch.randint(0, 8, (3, 20))
+        labels = torch.full_like(input_ids, IGNORE_INDEX)
+        labels[:2, -n_labels:] = input_ids[:2, -n_labels:]  # the last row has no labels
+        batches.append((input_ids, labels))
+    # A model that is always right on one sequence makes seq_acc non-trivial.
+    with torch.no_grad():
+        batches[1][1][0, -1] = model(batches[1][0]).logits[0, -2].argmax()
+
+    metrics = evaluate(model, batches, torch.device("cpu"), bytes_per_token=2.0).metrics
+    want = _recount(model, batches)
+    assert metrics["eval/ce"] == pytest.approx(want["ce"], rel=1e-5)
+    assert metrics["eval/ppl"] == pytest.approx(math.exp(want["ce"]), rel=1e-5)
+    assert metrics["eval/bpb"] == pytest.approx(want["ce"] / math.log(2) / 2.0, rel=1e-5)
+    assert metrics["eval/acc"] == pytest.approx(want["acc"])
+    assert metrics["eval/seq_acc"] == pytest.approx(want["seq_acc"])
+    assert want["seq_acc"] > 0
+    # Softmax fractions: only layer 0 is NAtS-L; the overall mean is that layer's.
+    assert "eval/attn_frac/layer1" not in metrics
+    assert metrics["eval/attn_frac"] == metrics["eval/attn_frac/layer0"] == pytest.approx(
+        (metrics["eval/attn_frac/layer0/head0"] + metrics["eval/attn_frac/layer0/head1"]) / 2)
+
+
+def test_evaluation_leaves_training_mode_as_it_was() -> None:
+    config = NatsConfig(vocab_size=8, d_model=16, n_heads=2, head_dim_k=8, head_dim_v=8,
+                        chunk_size=16)
+    model = NatsForCausalLM(config).train()
+    x = torch.randint(0, 8, (1, 8))
+    evaluate(model, [(x, x)], torch.device("cpu"))
+    assert model.training
