@@ -17,8 +17,11 @@ import torch
 from nats import NatsForCausalLM
 
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
-_OVERRIDES = ("task", "steps", "batch_size", "seq_len", "lr", "seed", "device", "out_dir",
-              "data_paths", "data_format", "text_field", "tokenizer", "streaming", "eval_seed")
+_OVERRIDES = ("task", "steps", "batch_size", "seq_len", "lr", "warmup_steps", "seed", "device",
+              "out_dir", "grad_accum_steps", "precision", "compile", "init_from",
+              "eval_interval", "eval_batches", "log_interval", "checkpoint_interval",
+              "keep_checkpoints", "mqar_pairs", "data_paths", "data_format", "text_field",
+              "tokenizer", "streaming", "eval_seed")
 """``TrainConfig`` fields that ``nats train`` options override (same names as ``dest``)."""
 
 
@@ -36,7 +39,7 @@ def _train(args: argparse.Namespace) -> int:
                                  if getattr(args, name) is not None}
     if "data_paths" in overrides:
         overrides["data_paths"] = tuple(overrides["data_paths"])
-    config = run_config(args.preset, overrides, resume=args.resume)
+    config = run_config(args.preset, overrides, resume=args.resume, config_path=args.config)
     result = train(config, resume=args.resume)
     if result.interrupted:
         print(f"nats: interrupted at step {result.step}; continue with: "
@@ -129,7 +132,7 @@ def _export(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from nats.kernels.bench import BenchShape
     from nats.trainers import PRESETS, TASKS
-    from nats.trainers.config import DATA_FORMATS
+    from nats.trainers.config import DATA_FORMATS, PRECISIONS
 
     parser = _Parser(prog="nats", description="NAtS-L: token-level hybrid attention search.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -137,13 +140,31 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model from a preset (resumable)")
     train.add_argument("--preset", default="tiny", choices=PRESETS,
                        help="named configuration (default: tiny)")
+    train.add_argument("--config", metavar="JSON",
+                       help="a model's config.json (replaces the preset's model) or a run's "
+                            "train_config.json (replaces the whole preset)")
+    train.add_argument("--init-from", metavar="DIR",
+                       help="start from the weights of a saved or exported model")
     train.add_argument("--task", choices=TASKS)
     train.add_argument("--steps", type=int)
-    train.add_argument("--batch-size", type=int)
+    train.add_argument("--batch-size", type=int, help="global batch, over processes and "
+                                                      "accumulation steps")
+    train.add_argument("--grad-accum-steps", type=int)
     train.add_argument("--seq-len", type=int)
     train.add_argument("--lr", type=float)
+    train.add_argument("--warmup-steps", type=int)
     train.add_argument("--seed", type=int)
     train.add_argument("--device", help="auto, cpu, cuda or cuda:N")
+    train.add_argument("--precision", choices=PRECISIONS,
+                       help="auto: bf16 autocast on GPUs that have it, else fp32")
+    train.add_argument("--compile", action="store_true", default=None,
+                       help="torch.compile the model")
+    train.add_argument("--eval-interval", type=int)
+    train.add_argument("--eval-batches", type=int)
+    train.add_argument("--log-interval", type=int)
+    train.add_argument("--checkpoint-interval", type=int)
+    train.add_argument("--keep-checkpoints", type=int)
+    train.add_argument("--mqar-pairs", type=int, help="key-value pairs of task 'mqar'")
     train.add_argument("--out", dest="out_dir", help="run folder: logs, checkpoints, model/")
     train.add_argument("--data", dest="data_paths", nargs="+", metavar="PATH",
                        help="files, folders or a save_to_disk folder for task 'text' "

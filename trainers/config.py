@@ -7,8 +7,10 @@ included), so a config saved beside the checkpoints is enough to resume or repea
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NoReturn
 
 from nats.config import ConfigError, NatsConfig, fail, reject_unknown_fields
@@ -189,6 +191,13 @@ def _tiny_model() -> NatsConfig:
                       rope=True)
 
 
+def _mqar_tiny_model() -> NatsConfig:
+    # Plain softmax attention: the model every recall task is measured against.
+    return NatsConfig(vocab_size=32, d_model=64, n_layers=2, n_heads=2,
+                      softmax_heads_per_head=2, head_dim_k=32, head_dim_v=32, chunk_size=16,
+                      layer_types=("softmax", "softmax"), rope=True)
+
+
 def _small_model() -> NatsConfig:
     return NatsConfig(vocab_size=256, d_model=256, n_layers=4, n_heads=4,
                       softmax_heads_per_head=2, head_dim_k=64, head_dim_v=64, chunk_size=32,
@@ -201,6 +210,12 @@ def _presets() -> dict[str, TrainConfig]:
         "tiny": TrainConfig(model=_tiny_model(), task="copy", steps=300, batch_size=32,
                             seq_len=17, lr=1e-2, warmup_steps=10, eval_interval=100,
                             log_interval=5, checkpoint_interval=60, out_dir="runs/tiny"),
+        # Recall on a CPU: a 2-layer softmax model answers 4 key-value queries (seq_len 32)
+        # with > 99% accuracy after ~200 steps; 600 steps take under a minute.
+        "mqar-tiny": TrainConfig(model=_mqar_tiny_model(), task="mqar", steps=600,
+                                 batch_size=64, seq_len=32, mqar_pairs=4, lr=3e-3,
+                                 warmup_steps=50, eval_interval=100, eval_batches=4,
+                                 checkpoint_interval=200, out_dir="runs/mqar-tiny"),
         # Multi-query associative recall, the classic test of what a fixed state can hold.
         "mqar-small": TrainConfig(model=_small_model(), task="mqar", steps=2000,
                                   batch_size=32, seq_len=256, lr=1e-3, warmup_steps=100,
@@ -223,14 +238,37 @@ def preset(name: str) -> TrainConfig:
     return _presets()[name]
 
 
-def run_config(preset_name: str, overrides: dict[str, Any], resume: bool) -> TrainConfig:
+def config_from_file(path: str | Path, base: TrainConfig) -> TrainConfig:
+    """A run config from a JSON file: a whole run (``train_config.json``, with a ``model``
+    key) or a model alone (``config.json`` of a saved or exported model), which replaces
+    ``base``'s model."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--config: {str(path)!r} is not a file")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--config: {path} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config: {path} must hold a JSON object")
+    if "model" in data:
+        return TrainConfig.from_dict(data)
+    return base.replace(model=NatsConfig.from_dict(data))
+
+
+def run_config(preset_name: str, overrides: dict[str, Any], resume: bool,
+               config_path: str | None = None) -> TrainConfig:
     """The config of a run started or resumed from the command line.
 
-    A new run is the preset with ``overrides``. Resuming takes the config saved in the
-    newest checkpoint of the output folder (``overrides["out_dir"]`` or the preset's), so
-    the preset need not be repeated, then applies ``overrides`` (e.g. more ``steps``).
+    A new run is the preset (its model replaced or its whole config replaced by
+    ``config_path``, see :func:`config_from_file`) with ``overrides``. Resuming takes the
+    config saved in the newest checkpoint of the output folder (``overrides["out_dir"]``
+    or the preset's), so the preset need not be repeated, then applies ``overrides``
+    (e.g. more ``steps``).
     """
     base = preset(preset_name)
+    if config_path is not None:
+        base = config_from_file(config_path, base)
     out_dir = overrides.get("out_dir", base.out_dir)
     path = latest_checkpoint(out_dir) if resume else None
     if path is not None:

@@ -21,7 +21,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from nats import NatsForCausalLM
+from nats import NatsConfig, NatsForCausalLM
 from nats.atomic_write import atomic_write_bytes
 from nats.model import next_token_cross_entropy
 
@@ -152,7 +152,8 @@ def _start_or_resume(config: TrainConfig, resume: bool, model: NatsForCausalLM,
     if not resume:
         raise FileExistsError(f"{config.out_dir} already holds a run ({path.name}); resume it "
                               "(--resume) or choose another output folder (--out)")
-    if read_checkpoint_meta(path)["config"].get("model") != config.model.to_dict():
+    saved = read_checkpoint_meta(path)["config"].get("model")
+    if saved is None or NatsConfig.from_dict(saved) != config.model:
         raise ValueError(f"cannot resume {path}: it was trained with another model config")
     restored = load_checkpoint(path, model, optimizer)
     tqdm.write(f"nats: resuming from {path} at step {restored.step}")
@@ -162,7 +163,7 @@ def _start_or_resume(config: TrainConfig, resume: bool, model: NatsForCausalLM,
 def _load_initial_weights(model: NatsForCausalLM, config: TrainConfig) -> None:
     """Start from a saved model's weights; its architecture must be the run's."""
     saved = NatsForCausalLM.from_pretrained(config.init_from)
-    if saved.config.to_dict() != config.model.to_dict():
+    if saved.config != config.model:
         diff = sorted(k for k, v in config.model.to_dict().items()
                       if saved.config.to_dict().get(k) != v)
         raise ValueError(f"init_from: {config.init_from} holds another architecture than "

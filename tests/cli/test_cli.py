@@ -47,6 +47,11 @@ def _nats(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
     ["train", "--data-format", "xml"],
     ["train", "--eval-seed", "-1"],
     ["train", "--task", "needle", "--seq-len", "8"],
+    ["train", "--config", "/no/such/config.json"],
+    ["train", "--config", "."],
+    ["train", "--precision", "fp8"],
+    ["train", "--grad-accum-steps", "3"],  # does not divide the preset's batch of 32
+    ["train", "--init-from", "/no/such/model"],
     ["generate", "/no/such/model"],
     ["generate", "."],
     ["info", "/no/such/model"],
@@ -100,6 +105,41 @@ def test_train_info_generate(tmp_path: Path) -> None:
 
     again = _nats("train", "--preset", "tiny", "--out", str(run))
     assert again.returncode == 2 and "--resume" in again.stderr
+
+
+def test_bad_config_files_are_one_line(tmp_path: Path) -> None:
+    for name, text in (("broken.json", "{not json"), ("list.json", "[1, 2]"),
+                       ("typo.json", json.dumps({"d_modle": 64}))):
+        (tmp_path / name).write_text(text)
+        done = _nats("train", "--config", str(tmp_path / name), "--out", str(tmp_path / "r"))
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "d_modle" in done.stderr
+
+
+def test_mqar_run_exports_and_its_architecture_retrains(tmp_path: Path) -> None:
+    """The README's three commands: train on MQAR, export, train the export again."""
+    run, exported = tmp_path / "mqar", tmp_path / "exported"
+    done = _nats("train", "--preset", "mqar-tiny", "--steps", "150", "--out", str(run),
+                 "--device", "cpu")
+    assert done.returncode == 0, done.stderr
+    accuracy = float(done.stdout.split("step 150: eval ")[1].split("acc ")[1].split(",")[0])
+    assert accuracy > 0.9, done.stdout
+
+    done = _nats("export", str(run), "--out", str(exported))
+    assert done.returncode == 0, done.stderr
+    assert json.loads((exported / "config.json").read_text())["softmax_layers"] == [0, 1]
+
+    # From scratch with the exported architecture, then from its weights.
+    scratch = _nats("train", "--preset", "mqar-tiny", "--config", str(exported / "config.json"),
+                    "--steps", "2", "--out", str(tmp_path / "scratch"), "--device", "cpu")
+    assert scratch.returncode == 0, scratch.stderr
+    warm = _nats("train", "--preset", "mqar-tiny", "--config", str(exported / "config.json"),
+                 "--init-from", str(exported), "--steps", "1", "--eval-interval", "1",
+                 "--out", str(tmp_path / "warm"), "--device", "cpu")
+    assert warm.returncode == 0, warm.stderr
+    assert "starting from the weights" in warm.stdout
+    warm_acc = float(warm.stdout.split("step 1: eval ")[1].split("acc ")[1].split(",")[0])
+    assert warm_acc > 0.9  # it starts where the exported model stopped
 
 
 def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tmp_path: Path) -> None:
