@@ -55,7 +55,7 @@ def _load(model_dir: str, device: str) -> NatsForCausalLM:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from nats.trainers import generate_text
+    from nats.trainers import generate_text, load_tokenizer
 
     model = _load(args.model_dir, args.device)
     device = model.embed.weight.device
@@ -63,7 +63,9 @@ def _generate(args: argparse.Namespace) -> int:
     sampling = dict(do_sample=args.sample, temperature=args.temperature, top_k=args.top_k,
                     generator=generator)
     if args.tokens is None:
-        print(args.prompt + generate_text(model, args.prompt, args.max_new_tokens, **sampling))
+        tokenizer = load_tokenizer(args.tokenizer)
+        print(args.prompt + generate_text(model, args.prompt, args.max_new_tokens, tokenizer,
+                                          **sampling))
         return 0
     prompt = _token_ids(args.tokens, model.config.vocab_size)
     out = model.generate(torch.tensor([prompt], device=device), args.max_new_tokens, **sampling)
@@ -185,8 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("model_dir", help="a folder written by save_pretrained (run/model)")
     prompt = gen.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default="def ",
-                        help="text, fed as UTF-8 bytes (byte-level models)")
+                        help="text, as UTF-8 bytes or through --tokenizer")
     prompt.add_argument("--tokens", help="token ids, e.g. '3 9 4 0' (any model)")
+    gen.add_argument("--tokenizer", metavar="DIR",
+                     help="the tokenizer.json the model was trained with (default: bytes)")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy")
     gen.add_argument("--temperature", type=float, default=1.0)

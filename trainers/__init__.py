@@ -7,7 +7,7 @@ from .distributed import World, resolve_device
 from .evaluation import Evaluation, evaluate
 from .loop import TrainResult, train
 from .synthetic import CopyTask, MQARTask, NeedleTask
-from .text import decode_tokens, encode_text, generate_text
+from .text import generate_text
 from .text_data import Corpus, StreamWindows, TokenWindows, load_text_sources, resolve_corpus
 from .tokenization import ByteTokenizer, FileTokenizer, load_tokenizer
 
@@ -28,8 +28,6 @@ __all__ = [
     "TrainResult",
     "World",
     "build_batches",
-    "decode_tokens",
-    "encode_text",
     "evaluate",
     "generate_text",
     "latest_checkpoint",

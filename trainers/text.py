@@ -1,4 +1,4 @@
-"""Byte-level text helpers: the default corpus, UTF-8 encoding and byte-model generation.
+"""Text helpers: the default corpus and generating text from a prompt.
 
 The default corpus is the Python standard library's own ``.py`` sources: real text that
 every machine has, with no download. Loading corpora is :mod:`.text_data`'s work.
@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import sysconfig
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from nats import NatsForCausalLM
+
+from .tokenization import ByteTokenizer, Tokenizer
 
 THIRD_PARTY_DIRS = frozenset({"site-packages", "dist-packages"})
 """Folders inside the standard library's tree that hold installed packages, not stdlib."""
@@ -30,25 +31,19 @@ def stdlib_sources() -> list[Path]:
     return sorted(found)
 
 
-def encode_text(text: str) -> torch.Tensor:
-    """UTF-8 bytes of ``text`` as token ids ``[len]``."""
-    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
-
-
-def decode_tokens(ids: Sequence[int]) -> str:
-    """Text of byte token ids; bytes that are not valid UTF-8 become U+FFFD."""
-    return bytes(ids).decode("utf-8", errors="replace")
-
-
 def generate_text(model: NatsForCausalLM, prompt: str, max_new_tokens: int,
-                  **sampling: Any) -> str:
-    """The continuation of ``prompt`` by a byte-level model (see ``NatsForCausalLM.generate``)."""
-    if model.config.vocab_size < 256:
-        raise ValueError(f"this model has vocab_size={model.config.vocab_size}; byte prompts "
-                         "need a byte-level model (vocab_size >= 256)")
-    if not prompt:
-        raise ValueError("the prompt is empty: generation needs at least one byte")
+                  tokenizer: Tokenizer | None = None, **sampling: Any) -> str:
+    """The continuation of ``prompt`` (see ``NatsForCausalLM.generate``), tokenized as the
+    model was trained: UTF-8 bytes by default, else ``tokenizer``."""
+    tokenizer = tokenizer or ByteTokenizer()
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"this model has vocab_size={model.config.vocab_size}, fewer than the "
+                         f"{tokenizer.vocab_size} tokens of {tokenizer!r}: text prompts need "
+                         "the tokenizer the model was trained with (--tokenizer)")
+    ids = tokenizer.encode(prompt)
+    if not ids:
+        raise ValueError("the prompt is empty: generation needs at least one token")
     device = next(model.parameters()).device
-    ids = encode_text(prompt)[None].to(device)
-    out = model.generate(ids, max_new_tokens, **sampling)
-    return decode_tokens(out[0, ids.shape[1]:].tolist())
+    prompt_ids = torch.tensor([ids], device=device)
+    out = model.generate(prompt_ids, max_new_tokens, **sampling)
+    return tokenizer.decode(out[0, len(ids):].tolist())

@@ -33,6 +33,10 @@ class Tokenizer(Protocol):
         for: the UTF-8 bytes of the texts plus one per separator."""
         ...
 
+    def encode(self, text: str) -> list[int]:
+        """The tokens of one text, without a separator (a prompt)."""
+        ...
+
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
@@ -52,6 +56,9 @@ class ByteTokenizer:
     def pack(self, texts: Sequence[str]) -> tuple[np.ndarray, int]:
         data = b"".join(utf8(t) + b"\0" for t in texts)
         return np.frombuffer(data, dtype=np.uint8), len(data)
+
+    def encode(self, text: str) -> list[int]:
+        return list(utf8(text))
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
@@ -99,6 +106,9 @@ class FileTokenizer:
         parts = [a for e in encodings for a in (np.asarray(e.ids, dtype=self.dtype), end)]
         tokens = np.concatenate(parts) if parts else np.empty(0, dtype=self.dtype)
         return tokens, sum(len(utf8(t)) for t in texts) + len(end) * len(texts)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from nats import ConfigError
-from nats.trainers import build_batches, decode_tokens, encode_text, load_tokenizer
+from nats import ConfigError, NatsForCausalLM
+from nats.trainers import build_batches, generate_text, load_tokenizer
 from nats.trainers import text_data as td
 from nats.trainers.data import stream_generator
 from nats.trainers.text import stdlib_sources
@@ -273,6 +273,17 @@ def test_a_local_tokenizer_round_trips_and_packs(micro: MicroConfig, tmp_path: P
         assert ids.tolist() == [*reference.encode(text).ids, eos]
         assert n_bytes == len(text.encode()) + 1
         assert tokenizer.decode(ids[:-1].tolist()) == text
+        assert tokenizer.encode(text) == reference.encode(text).ids
+
+    # Generation encodes the prompt and decodes the continuation with the same tokenizer.
+    model = NatsForCausalLM(micro().model.replace(vocab_size=512)).eval()
+    prompt = "def f(x):"
+    prompt_ids = torch.tensor([reference.encode(prompt).ids])
+    continuation = model.generate(prompt_ids, 6)[0, prompt_ids.shape[1]:].tolist()
+    assert generate_text(model, prompt, 6, tokenizer) == reference.decode(continuation)
+    with pytest.raises(ValueError, match="--tokenizer"):
+        small = micro().model.replace(vocab_size=tokenizer.vocab_size - 1)
+        generate_text(NatsForCausalLM(small), prompt, 1, tokenizer)
 
     (tmp_path / "data.jsonl").write_text(
         "".join(json.dumps({"text": r}) + "\n" for r in records))
@@ -385,7 +396,7 @@ def test_file_names_are_not_glob_patterns(tmp_path: Path) -> None:
 
 def test_bytes_round_trip() -> None:
     text = "def f(x):\n    return 'é→∑'\n"
-    ids = encode_text(text)
-    assert ids.dtype == torch.long and ids.max() < 256 and len(ids) == len(text.encode())
-    assert decode_tokens(ids.tolist()) == text
-    assert decode_tokens([0xFF]) == "\ufffd"
+    ids = ByteTokenizer().encode(text)
+    assert ids == list(text.encode()) and max(ids) < 256
+    assert ByteTokenizer().decode(ids) == text
+    assert ByteTokenizer().decode([0xFF]) == "\ufffd"
