@@ -101,7 +101,7 @@ def test_train_info_generate(tmp_path: Path) -> None:
         refused = _nats("generate", str(run / "model"), "--tokens", bad)
         assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
     refused = _nats("generate", str(run / "model"), "--prompt", "ab")  # a 32-token model
-    assert refused.returncode == 2 and "byte-level model" in refused.stderr
+    assert refused.returncode == 2 and "--tokenizer" in refused.stderr
 
     again = _nats("train", "--preset", "tiny", "--out", str(run))
     assert again.returncode == 2 and "--resume" in again.stderr
