@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -86,19 +86,20 @@ def _timings(fn: Callable[[], tuple[torch.Tensor, ...]], leaves: list[torch.Tens
     return float(fwd), float(both)
 
 
-def bench_seq_len(shape: BenchShape, seq_len: int, device: torch.device) -> list[BenchRow]:
-    """All methods and fractions at one sequence length."""
+def bench_seq_len(shape: BenchShape, seq_len: int, device: torch.device,
+                  ) -> Iterator[BenchRow]:
+    """All methods and fractions at one sequence length, each row as soon as it is measured."""
     sm, lin, g, beta, gen = make_inputs(shape, seq_len, device)
     batch, n_chunks = sm[0].shape[0], math.ceil(seq_len / shape.chunk_size)
     leaves = [t.requires_grad_() for t in (*sm, *lin, g, beta)]
-    c, rows = shape.chunk_size, []
+    c = shape.chunk_size
     q, k, v = (t.transpose(1, 2) for t in sm)
-    rows.append(BenchRow(seq_len, 1.0, "sdpa_causal", *_timings(
-        lambda: (F.scaled_dot_product_attention(q, k, v, is_causal=True),), leaves)))
+    yield BenchRow(seq_len, 1.0, "sdpa_causal", *_timings(
+        lambda: (F.scaled_dot_product_attention(q, k, v, is_causal=True),), leaves))
     fla = _fla_gated_delta_rule()
     if fla is not None:
-        rows.extend(_optional(seq_len, 0.0, "fla_chunk_gdr",
-                              lambda: (fla(*lin, g, beta)[0],), leaves))
+        yield from _optional(seq_len, 0.0, "fla_chunk_gdr", lambda: (fla(*lin, g, beta)[0],),
+                             leaves)
 
     for fraction in shape.fractions:
         routes = random_routes(batch, n_chunks, shape.heads, fraction, device, gen)
@@ -111,15 +112,14 @@ def bench_seq_len(shape: BenchShape, seq_len: int, device: torch.device) -> list
 
         parts = {"softmax": _timings(lambda s=softmax: (s(),), leaves),
                  "linear": _timings(lambda li=linear: (li(),), leaves)}
-        rows.append(BenchRow(seq_len, fraction, "nats_mixed", *_timings(
+        yield BenchRow(seq_len, fraction, "nats_mixed", *_timings(
             lambda s=softmax, li=linear: (s(), li()), leaves),
             extra={f"{name}_{kind}_ms": t for name, (f, b) in parts.items()
-                   for kind, t in (("fwd", f), ("fwd_bwd", b))}))
+                   for kind, t in (("fwd", f), ("fwd_bwd", b))})
         flex = _flex_softmax(sm, routes, shape)
         if flex is not None:
-            rows.extend(_optional(seq_len, fraction, "flex_mask+linear",
-                                  lambda fl=flex, li=linear: (fl(), li()), leaves))
-    return rows
+            yield from _optional(seq_len, fraction, "flex_mask+linear",
+                                 lambda fl=flex, li=linear: (fl(), li()), leaves)
 
 
 def _optional(seq_len: int, fraction: float, method: str,
@@ -187,13 +187,16 @@ def run_benchmark(shape: BenchShape, out_json: Path | None) -> list[BenchRow]:
     device = torch.device("cuda")
     rows: list[BenchRow] = []
     for seq_len in shape.seq_lens:
-        new = bench_seq_len(shape, seq_len, device)
-        rows.extend(new)
+        new = []
+        for row in bench_seq_len(shape, seq_len, device):
+            new.append(row)
+            rows.append(row)
+            # Written after every row, so an interrupted run keeps what it measured.
+            print(format_table([row], header=False, base=new[0]), flush=True)
+            if out_json is not None:
+                _write_json(out_json, shape, rows)
         torch.cuda.empty_cache()
-        # Written after every length, so an interrupted run keeps what it measured.
         print(format_table(new), flush=True)
-        if out_json is not None:
-            _write_json(out_json, shape, rows)
     return rows
 
 
@@ -209,16 +212,19 @@ def _write_json(path: Path, shape: BenchShape, rows: list[BenchRow]) -> None:
     tmp.replace(path)
 
 
-def format_table(rows: list[BenchRow]) -> str:
-    """One line per (T, fraction, method): milliseconds and ratios to SDPA at that T."""
+def format_table(rows: list[BenchRow], header: bool = True, base: BenchRow | None = None) -> str:
+    """One line per (T, fraction, method): milliseconds and ratios to SDPA at that T
+    (``base``: that SDPA row, where ``rows`` lack it)."""
     sdpa = {r.seq_len: r for r in rows if r.method == "sdpa_causal"}
+    if base is not None:
+        sdpa.setdefault(base.seq_len, base)
     lines = [f"{'T':>6} {'frac':>6} {'method':<18} {'fwd ms':>8} {'f+b ms':>8} "
-             f"{'fwd/sdpa':>9} {'f+b/sdpa':>9}"]
+             f"{'fwd/sdpa':>9} {'f+b/sdpa':>9}"] if header else []
     for r in rows:
-        base = sdpa[r.seq_len]
+        ref = sdpa[r.seq_len]
         lines.append(f"{r.seq_len:>6} {r.fraction:>6.3f} {r.method:<18} {r.fwd_ms:>8.3f} "
-                     f"{r.fwd_bwd_ms:>8.3f} {r.fwd_ms / base.fwd_ms:>9.3f} "
-                     f"{r.fwd_bwd_ms / base.fwd_bwd_ms:>9.3f}")
+                     f"{r.fwd_bwd_ms:>8.3f} {r.fwd_ms / ref.fwd_ms:>9.3f} "
+                     f"{r.fwd_bwd_ms / ref.fwd_bwd_ms:>9.3f}")
     return "\n".join(lines)
 
 

@@ -13,10 +13,10 @@ the routing-chunk end the carried state is ``z * running + (1 - z) * shadow``. T
 backward mirrors this (:mod:`.gated_delta_rule_bwd`). Dense batches run as packed ones
 (``B`` sequences of ``T``), so one code path serves ``cu_seqlens`` too, with no host sync.
 
-Memory: the forward saves only its inputs, the within-chunk cumulative gate and the
-inverted ``BT x BT`` WY matrices (float32). The backward recomputes ``w, u``, the
-kernel-chunk start states ``h`` and ``v_new`` with the forward kernels, rather than
-storing ``[chunks, H, Dk, Dv]`` states across the step.
+Memory: the forward saves only its inputs, the within-chunk cumulative gate (float32) and
+the inverted ``BT x BT`` WY matrices (in the inputs' dtype, see ``HALF_A``). The backward
+recomputes ``w, u``, the kernel-chunk start states ``h`` and ``v_new`` with the forward
+kernels, rather than storing ``[chunks, H, Dk, Dv]`` states across the step.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..reference.chunks import LINEAR, ROUTE_GRADS, RouteGrad, check_chunk_size, check_routes
-from .gated_delta_rule_bwd import dqkwg, dv_local, state_bwd, wy_bwd
+from .gated_delta_rule_bwd import dqkwg, state_bwd, wy_bwd
 from .gated_delta_rule_fwd import output_fwd, state_fwd, wy_fwd
 from .utils import ChunkMap, check_varlen, chunk_map
 
@@ -59,9 +59,8 @@ class _HybridGatedDeltaRule(torch.autograd.Function):
         do = do.contiguous()
         _, _, w, u = wy_fwd(k, v, g, beta, cmap, bt, r, saved=(gc, a))
         h, v_new, _ = state_fwd(k, w, u, gc, z, h0, False, cmap, bt, r)
-        dvl = dv_local(q, k, do, gc, scale, cmap, bt, r)
         dh, dv_new, dz, dgs, dh0 = state_bwd(
-            q, k, w, do, v_new, dvl, gc, z, h, None if dht is None else dht.contiguous(),
+            q, k, w, do, v_new, gc, z, h, None if dht is None else dht.contiguous(),
             h0 is not None and ctx.needs_input_grad[6], ctx.all_dz, scale, cmap, bt, r)
         dq, dk_part, dw, dgc = dqkwg(q, k, v_new, do, dv_new, gc, h, dh, scale, cmap, bt, r)
         dk, dv, dbeta, dg = wy_bwd(k, v, g, beta, gc, a, dw, dv_new, dk_part, dgc, dgs,

@@ -28,10 +28,33 @@ from .gated_delta_rule_fwd import (
     causal_decay,
     dot_precision,
     load_rows,
+    seq_configs,
     slot_bounds,
     store_rows,
 )
 from .utils import empty
+
+FUSE_DV_LOCAL = False
+"""With one kernel chunk per routing chunk, form ``M^T do`` inside :func:`state_bwd` (off
+its serial dependency chain) instead of in a separate launch through device memory. Off:
+measured 1 ms slower forward+backward on an H200 (state_bwd is latency-bound)."""
+
+HALF_GRADS = True
+"""Keep the backward's intermediates (``M^T do``, ``d v_new``, partial ``dk``, ``dw``) in
+the inputs' dtype rather than float32: they only feed half-precision products or one sum."""
+
+DQKWG_BLOCK_K = 64
+"""Key columns per :func:`dqkwg` program (``K`` is split over programs above this): three
+``[BT, K]`` float32 accumulators of K = 128 spilled registers at 4 warps; 2 x 64 did not,
+and measured 1.65 against 2.85 ms on an H200 (B*T = 65,536, H = 16, unpipelined)."""
+
+WY_BWD_BLOCK_K = 64
+"""Key columns per pass of :func:`wy_bwd`'s two loops over ``K`` (1.30 against 2.02 ms with
+one pass of 128 on an H200, same shape)."""
+
+
+def grad_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype if HALF_GRADS else torch.float32
 
 
 @triton.autotune(configs=_configs(), key=["K", "V", "BT"])
@@ -57,14 +80,15 @@ def _dv_local_kernel(q, k, do, gc, dv, scale, cu, chunk_offsets, chunk_seq,
                o_t, m_t, i_h, H, V, o_v)
 
 
-@triton.autotune(configs=_configs((32, 64, 16), (2, 4, 8)), key=["H", "K", "V", "BT", "R"],
+@triton.autotune(configs=seq_configs(2), key=["H", "K", "V", "BT", "R", "FUSE_DVL"],
                  reset_to_zero=["dz", "dgs"])
 @triton.jit
 def _state_bwd_kernel(q, k, w, do, v_new, dv_local, gc, z, h, dh, dv, dz, dgs, dht, dh0,
                       scale, cu, chunk_offsets,
                       H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                       R: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr,
-                      STORE_DH0: tl.constexpr, DZ_MIN: tl.constexpr, PREC: tl.constexpr):
+                      STORE_DH0: tl.constexpr, DZ_MIN: tl.constexpr, FUSE_DVL: tl.constexpr,
+                      PREC: tl.constexpr):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu + i_n).to(tl.int64), tl.load(cu + i_n + 1).to(tl.int64)
@@ -75,68 +99,113 @@ def _state_bwd_kernel(q, k, w, do, v_new, dv_local, gc, z, h, dh, dv, dz, dgs, d
     b_dh = tl.zeros([K, BV], dtype=tl.float32)
     if USE_DHT:
         b_dh += tl.load(dht + i_nh * K * V + p_hv, mask=m_hv, other=0).to(tl.float32)
-    for rr in range(c1 - c0):
-        r = c1 - 1 - rr
-        b_z = tl.load(z + r * H + i_h).to(tl.float32)
-        b_e = b_dh
-        b_dh *= b_z
-        b_dz = tl.zeros([BT], dtype=tl.float32)
-        t_r = bos + (r - c0) * (R * BT)
-        n_j = tl.minimum(R, tl.cdiv(eos - t_r, BT))
-        for jj in range(n_j):
-            j = n_j - 1 - jj
-            o_t = t_r + j * BT + o_i
+    if R == 1:
+        # One slot per routing chunk, a flat loop (prefetchable loads). dS, the gradient of
+        # the slot's end state: the running state gets z dS, the shadow (1 - z) dS, so
+        # dS_start = exp(gL) dS + (q exp(gc) scale)^T do - w^T dv.
+        for ii in range(c1 - c0):
+            i_s = c1 - 1 - ii
+            o_t = bos + (i_s - c0) * BT + o_i
             m_t = o_t < eos
-            tl.store(dh + ((r * R + j) * H + i_h).to(tl.int64) * K * V + p_hv,
-                     b_dh.to(dh.dtype.element_ty), mask=m_hv)
+            b_z = tl.load(z + i_s * H + i_h).to(tl.float32)
             b_gc = tl.load(gc + o_t * H + i_h, mask=m_t, other=0)
-            g_last = tl.load(gc + (tl.minimum(t_r + j * BT + BT, eos) - 1) * H + i_h)
+            g_last = tl.load(gc + (tl.minimum(bos + (i_s - c0) * BT + BT, eos) - 1) * H + i_h)
             b_k = load_rows(k, o_t, m_t, i_h, H, K, o_k)
+            b_q = load_rows(q, o_t, m_t, i_h, H, K, o_k)
+            b_w = load_rows(w, o_t, m_t, i_h, H, K, o_k)
+            b_do = load_rows(do, o_t, m_t, i_h, H, V, o_v)
+            if FUSE_DVL:
+                b_mt = tl.dot(b_k, tl.trans(b_q), input_precision=PREC) * tl.trans(
+                    causal_decay(b_gc, o_i, 0)) * scale
+                b_dv = tl.dot(b_mt.to(b_do.dtype), b_do, input_precision=PREC)
+            else:
+                b_dv = load_rows(dv_local, o_t, m_t, i_h, H, V, o_v).to(tl.float32)
+            b_dhz = b_z * b_dh
+            tl.store(dh + (i_s * H + i_h).to(tl.int64) * K * V + p_hv,
+                     b_dhz.to(dh.dtype.element_ty), mask=m_hv)
             b_kd = (b_k * tl.exp(g_last - b_gc)[:, None]).to(b_k.dtype)
-            b_dv = load_rows(dv_local, o_t, m_t, i_h, H, V, o_v) + tl.dot(
-                b_kd, b_dh.to(b_k.dtype), input_precision=PREC)
+            # k exp(gL - gc) dS serves both d v_new (times z) and the route gradient.
+            b_p = tl.dot(b_kd, b_dh.to(b_k.dtype), input_precision=PREC)
+            b_dv += b_z * b_p
             store_rows(dv, b_dv, o_t, m_t, i_h, H, V, o_v)
             if b_z > DZ_MIN:  # the route gradient only where it is asked for
                 b_vn = load_rows(v_new, o_t, m_t, i_h, H, V, o_v).to(tl.float32)
-                b_dz += tl.sum(tl.dot(b_kd, b_e.to(b_k.dtype), input_precision=PREC) * b_vn, 1)
-            b_q = load_rows(q, o_t, m_t, i_h, H, K, o_k)
+                tl.atomic_add(dz + i_s * H + i_h, tl.sum(tl.sum(b_p * b_vn, 1), 0))
+            if b_z < 1.0:
+                b_start = tl.load(h + (i_s * H + i_h).to(tl.int64) * K * V + p_hv, mask=m_hv,
+                                  other=0).to(tl.float32)
+                tl.atomic_add(dgs + i_s * H + i_h,
+                              (1.0 - b_z) * tl.exp(g_last) * tl.sum(b_dh * b_start))
             b_qd = (b_q * (tl.exp(b_gc) * scale)[:, None]).to(b_q.dtype)
-            b_w = load_rows(w, o_t, m_t, i_h, H, K, o_k)
-            b_do = load_rows(do, o_t, m_t, i_h, H, V, o_v)
             b_dh = (b_dh * tl.exp(g_last) + tl.dot(tl.trans(b_qd), b_do, input_precision=PREC)
                     - tl.dot(tl.trans(b_w), b_dv.to(b_w.dtype), input_precision=PREC))
-            b_e *= tl.exp(g_last)
-        tl.atomic_add(dz + r * H + i_h, tl.sum(b_dz, 0))
-        if b_z < 1.0:
-            b_start = tl.load(h + (r * R * H + i_h).to(tl.int64) * K * V + p_hv, mask=m_hv,
-                              other=0).to(tl.float32)
-            tl.atomic_add(dgs + r * H + i_h, (1.0 - b_z) * tl.sum(b_e * b_start))
-            b_dh += (1.0 - b_z) * b_e
+    else:
+        for rr in range(c1 - c0):
+            r = c1 - 1 - rr
+            b_z = tl.load(z + r * H + i_h).to(tl.float32)
+            b_e = b_dh
+            b_dh *= b_z
+            b_dz = tl.zeros([BT], dtype=tl.float32)
+            t_r = bos + (r - c0) * (R * BT)
+            n_j = tl.minimum(R, tl.cdiv(eos - t_r, BT))
+            for jj in range(n_j):
+                j = n_j - 1 - jj
+                o_t = t_r + j * BT + o_i
+                m_t = o_t < eos
+                tl.store(dh + ((r * R + j) * H + i_h).to(tl.int64) * K * V + p_hv,
+                         b_dh.to(dh.dtype.element_ty), mask=m_hv)
+                b_gc = tl.load(gc + o_t * H + i_h, mask=m_t, other=0)
+                g_last = tl.load(gc + (tl.minimum(t_r + j * BT + BT, eos) - 1) * H + i_h)
+                b_k = load_rows(k, o_t, m_t, i_h, H, K, o_k)
+                b_kd = (b_k * tl.exp(g_last - b_gc)[:, None]).to(b_k.dtype)
+                b_dv = load_rows(dv_local, o_t, m_t, i_h, H, V, o_v) + tl.dot(
+                    b_kd, b_dh.to(b_k.dtype), input_precision=PREC)
+                store_rows(dv, b_dv, o_t, m_t, i_h, H, V, o_v)
+                if b_z > DZ_MIN:  # the route gradient only where it is asked for
+                    b_vn = load_rows(v_new, o_t, m_t, i_h, H, V, o_v).to(tl.float32)
+                    b_dz += tl.sum(tl.dot(b_kd, b_e.to(b_k.dtype), input_precision=PREC) * b_vn, 1)
+                b_q = load_rows(q, o_t, m_t, i_h, H, K, o_k)
+                b_qd = (b_q * (tl.exp(b_gc) * scale)[:, None]).to(b_q.dtype)
+                b_w = load_rows(w, o_t, m_t, i_h, H, K, o_k)
+                b_do = load_rows(do, o_t, m_t, i_h, H, V, o_v)
+                b_dh = (b_dh * tl.exp(g_last) + tl.dot(tl.trans(b_qd), b_do, input_precision=PREC)
+                        - tl.dot(tl.trans(b_w), b_dv.to(b_w.dtype), input_precision=PREC))
+                b_e *= tl.exp(g_last)
+            tl.atomic_add(dz + r * H + i_h, tl.sum(b_dz, 0))
+            if b_z < 1.0:
+                b_start = tl.load(h + (r * R * H + i_h).to(tl.int64) * K * V + p_hv, mask=m_hv,
+                                  other=0).to(tl.float32)
+                tl.atomic_add(dgs + r * H + i_h, (1.0 - b_z) * tl.sum(b_e * b_start))
+                b_dh += (1.0 - b_z) * b_e
     if STORE_DH0:
         tl.store(dh0 + i_nh * K * V + p_hv, b_dh, mask=m_hv)
 
 
-@triton.autotune(configs=_configs((64,)), key=["K", "V", "BT"])
+@triton.autotune(configs=_configs((64,), (4,), stages=1), key=["K", "V", "BT", "BK"],
+                 reset_to_zero=["dgc"])
 @triton.jit
 def _dqkwg_kernel(q, k, v_new, do, dv, gc, h, dh, dq, dk, dw, dgc, scale,
                   cu, chunk_offsets, chunk_seq,
                   H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                  R: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-    i_s, i_h = tl.program_id(0), tl.program_id(1)
+                  R: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """One slot, one block of ``BK`` key columns: ``dq, dk, dw`` of those columns and their
+    share of the gate gradient (added into ``dgc``, zeroed, when ``K`` spans several
+    blocks). Blocks of 64 keep the three ``[BT, BK]`` float32 accumulators in registers."""
+    i_s, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     _, t0, eos = slot_bounds(i_s, cu, chunk_offsets, chunk_seq, R, BT)
     if t0 >= eos:
         return
     o_i = tl.arange(0, BT)
     o_t = t0 + o_i
     m_t = o_t < eos
-    o_k = tl.arange(0, K)
+    o_k = i_k * BK + tl.arange(0, BK)
     p_h = h + (i_s * H + i_h).to(tl.int64) * K * V + o_k[:, None] * V
     p_dh = dh + (i_s * H + i_h).to(tl.int64) * K * V + o_k[:, None] * V
-    b_dq = tl.zeros([BT, K], dtype=tl.float32)
-    b_dk = tl.zeros([BT, K], dtype=tl.float32)
-    b_dw = tl.zeros([BT, K], dtype=tl.float32)
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
     b_ds = tl.zeros([BT, BT], dtype=tl.float32)
-    b_hdh = tl.zeros([K], dtype=tl.float32)
+    b_hdh = tl.zeros([BK], dtype=tl.float32)
     for v0 in range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
         m_v = o_v[None, :] < V
@@ -147,9 +216,11 @@ def _dqkwg_kernel(q, k, v_new, do, dv, gc, h, dh, dq, dk, dw, dgc, scale,
         b_dv = load_rows(dv, o_t, m_t, i_h, H, V, o_v).to(b_h.dtype)
         b_dq += tl.dot(b_do, tl.trans(b_h), input_precision=PREC)
         b_dk += tl.dot(b_vn, tl.trans(b_dh), input_precision=PREC)
-        b_ds += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
+        b_ds += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)  # the same in every block
         b_dw += tl.dot(b_dv, tl.trans(b_h), input_precision=PREC)
         b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
+    # Each result is stored as soon as it is complete (fewer live registers).
+    store_rows(dw, -b_dw, o_t, m_t, i_h, H, K, o_k)
     b_gc = tl.load(gc + o_t * H + i_h, mask=m_t, other=0)
     t_last = tl.minimum(t0 + BT, eos) - 1
     g_last = tl.load(gc + t_last * H + i_h)
@@ -157,23 +228,26 @@ def _dqkwg_kernel(q, k, v_new, do, dv, gc, h, dh, dq, dk, dw, dgc, scale,
     b_k = load_rows(k, o_t, m_t, i_h, H, K, o_k)
     b_ds = (b_ds * causal_decay(b_gc, o_i, 0) * scale).to(b_q.dtype)
     b_dq = b_dq * (tl.exp(b_gc) * scale)[:, None] + tl.dot(b_ds, b_k, input_precision=PREC)
+    b_dg = tl.sum(b_dq * b_q.to(tl.float32), 1)
+    store_rows(dq, b_dq, o_t, m_t, i_h, H, K, o_k)
     b_dk *= tl.exp(g_last - b_gc)[:, None]
     b_kdk_state = tl.sum(tl.sum(b_dk * b_k.to(tl.float32), 1), 0)
     b_dk += tl.dot(tl.trans(b_ds), b_q, input_precision=PREC)
-    b_dg = tl.sum(b_dq * b_q.to(tl.float32), 1) - tl.sum(b_dk * b_k.to(tl.float32), 1)
-    b_dg += tl.where(o_t == t_last, tl.exp(g_last) * tl.sum(b_hdh, 0) + b_kdk_state, 0.0)
-    store_rows(dq, b_dq, o_t, m_t, i_h, H, K, o_k)
+    b_dg -= tl.sum(b_dk * b_k.to(tl.float32), 1)
     store_rows(dk, b_dk, o_t, m_t, i_h, H, K, o_k)
-    store_rows(dw, -b_dw, o_t, m_t, i_h, H, K, o_k)
-    tl.store(dgc + o_t * H + i_h, b_dg, mask=m_t)
+    b_dg += tl.where(o_t == t_last, tl.exp(g_last) * tl.sum(b_hdh, 0) + b_kdk_state, 0.0)
+    if K == BK:
+        tl.store(dgc + o_t * H + i_h, b_dg, mask=m_t)
+    else:
+        tl.atomic_add(dgc + o_t * H + i_h, b_dg, mask=m_t)
 
 
-@triton.autotune(configs=_configs((64,)), key=["K", "V", "BT"])
+@triton.autotune(configs=_configs((64,), (4,), stages=1), key=["K", "V", "BT"])
 @triton.jit
 def _wy_bwd_kernel(k, v, beta, gc, a, dw, du, dk_part, dgc, dgs, dk, dv, dbeta, dg,
                    cu, chunk_offsets, chunk_seq,
                    H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                   R: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+                   R: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     i_s, i_h = tl.program_id(0), tl.program_id(1)
     r, t0, eos = slot_bounds(i_s, cu, chunk_offsets, chunk_seq, R, BT)
     if t0 >= eos:
@@ -181,7 +255,7 @@ def _wy_bwd_kernel(k, v, beta, gc, a, dw, du, dk_part, dgc, dgs, dk, dv, dbeta, 
     o_i = tl.arange(0, BT)
     o_t = t0 + o_i
     m_t = o_t < eos
-    o_k = tl.arange(0, K)
+    dt = a.dtype.element_ty
     b_a = tl.load(a + (o_t[:, None] * H + i_h) * BT + o_i[None, :], mask=m_t[:, None], other=0)
     b_at = tl.trans(b_a)
     b_beta = tl.load(beta + o_t * H + i_h, mask=m_t, other=0).to(tl.float32)
@@ -190,43 +264,58 @@ def _wy_bwd_kernel(k, v, beta, gc, a, dw, du, dk_part, dgc, dgs, dk, dv, dbeta, 
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
     for v0 in range(0, V, BV):
         o_v = v0 + tl.arange(0, BV)
-        b_v = load_rows(v, o_t, m_t, i_h, H, V, o_v).to(tl.float32)
-        b_du = load_rows(du, o_t, m_t, i_h, H, V, o_v).to(tl.float32)
+        b_v = load_rows(v, o_t, m_t, i_h, H, V, o_v)
+        b_du = load_rows(du, o_t, m_t, i_h, H, V, o_v).to(dt)
         b_y = tl.dot(b_at, b_du, input_precision=PREC)
         store_rows(dv, b_y * b_beta[:, None], o_t, m_t, i_h, H, V, o_v)
-        b_dbeta += tl.sum(b_v * b_y, 1)
-        b_da += tl.dot(b_du, tl.trans(b_v * b_beta[:, None]), input_precision=PREC)
-    b_k = load_rows(k, o_t, m_t, i_h, H, K, o_k).to(tl.float32)
-    b_dw = load_rows(dw, o_t, m_t, i_h, H, K, o_k)
+        b_dbeta += tl.sum(b_v.to(tl.float32) * b_y, 1)
+        b_da += tl.dot(b_du, tl.trans(b_v.to(dt)), input_precision=PREC) * b_beta[None, :]
+    # Two passes over blocks of BK key columns, so that no [BT, K] float32 tile is live
+    # (K = 128 in one piece spilled registers): the first gathers what needs every column
+    # (dA, K K^T, the rows of K . A^T dw), the second forms and stores dk block by block.
     b_bg = b_beta * tl.exp(b_gc)
-    b_x = tl.dot(b_at, b_dw, input_precision=PREC)
-    b_kx = tl.sum(b_k * b_x, 1)
-    b_dk = load_rows(dk_part, o_t, m_t, i_h, H, K, o_k) + b_x * b_bg[:, None]
+    b_kx = tl.zeros([BT], dtype=tl.float32)
+    b_kk = tl.zeros([BT, BT], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        b_k = load_rows(k, o_t, m_t, i_h, H, K, o_k).to(dt)
+        b_dw = load_rows(dw, o_t, m_t, i_h, H, K, o_k).to(dt)
+        b_x = tl.dot(b_at, b_dw, input_precision=PREC)
+        b_kx += tl.sum(b_k.to(tl.float32) * b_x, 1)
+        # dA = du (diag(beta) V)^T + dw (diag(beta exp(gc)) K)^T: the scales on the
+        # product's columns, not rounded into the half-precision operands (as forward).
+        b_da += tl.dot(b_dw, tl.trans(b_k), input_precision=PREC) * b_bg[None, :]
+        b_kk += tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
     b_dbeta += tl.exp(b_gc) * b_kx
     b_dgc = tl.load(dgc + o_t * H + i_h, mask=m_t, other=0) + b_bg * b_kx
-    b_da += tl.dot(b_dw, tl.trans(b_k * b_bg[:, None]), input_precision=PREC)
-    # d(A^{-1})^{-1}: dL = -A^T dA A^T on the strictly lower part.
-    b_da = -tl.dot(tl.dot(b_at, b_da, input_precision=PREC), b_at, input_precision=PREC)
-    b_kk = tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
+    # d(A^{-1})^{-1}: dL = -A^T dA A^T on the strictly lower part (float32 operands).
+    b_at32 = b_at.to(tl.float32)
+    b_da = -tl.dot(tl.dot(b_at32, b_da, input_precision=PREC), b_at32, input_precision=PREC)
     b_da *= causal_decay(b_gc, o_i, 1)
     b_dbeta += tl.sum(b_da * b_kk, 1)
     b_da *= b_beta[:, None]
-    b_dk += tl.dot(b_da, b_k, input_precision=PREC)
-    b_dk += tl.dot(tl.trans(b_da), b_k, input_precision=PREC)
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        b_k = load_rows(k, o_t, m_t, i_h, H, K, o_k).to(tl.float32)
+        b_dw = load_rows(dw, o_t, m_t, i_h, H, K, o_k).to(dt)
+        b_dk = load_rows(dk_part, o_t, m_t, i_h, H, K, o_k).to(tl.float32)
+        b_dk += tl.dot(b_at, b_dw, input_precision=PREC) * b_bg[:, None]
+        b_dk += tl.dot(b_da, b_k, input_precision=PREC)
+        b_dk += tl.dot(tl.trans(b_da), b_k, input_precision=PREC)
+        store_rows(dk, b_dk, o_t, m_t, i_h, H, K, o_k)
     b_da *= b_kk
     b_dgc += tl.sum(b_da, 1) - tl.sum(b_da, 0)
     # g_t enters every gc_s with s >= t: reverse cumulative sum, plus the shadow's share.
     b_dg = tl.sum(b_dgc, 0) - tl.cumsum(b_dgc, 0) + b_dgc + tl.load(dgs + r * H + i_h)
-    store_rows(dk, b_dk, o_t, m_t, i_h, H, K, o_k)
     tl.store(dbeta + o_t * H + i_h, b_dbeta.to(dbeta.dtype.element_ty), mask=m_t)
     tl.store(dg + o_t * H + i_h, b_dg.to(dg.dtype.element_ty), mask=m_t)
 
 
 def dv_local(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, gc: torch.Tensor, scale: float,
              cmap, bt: int, r: int) -> torch.Tensor:
-    """``M^T do`` in float32, ``[1, T_total, H, V]``."""
+    """``M^T do``, ``[1, T_total, H, V]``."""
     _, _, heads, d_k = q.shape
-    out = empty(*do.shape, dtype=torch.float32, device=q.device)
+    out = empty(*do.shape, dtype=grad_dtype(do.dtype), device=q.device)
     _dv_local_kernel[(cmap.chunk_seq.numel() * r, heads)](
         q, k, do, gc, out, scale, cmap.cu_seqlens, cmap.chunk_offsets, cmap.chunk_seq,
         H=heads, K=d_k, V=do.shape[-1], BT=bt, R=r, PREC=dot_precision(q.dtype))
@@ -234,7 +323,7 @@ def dv_local(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, gc: torch.Tenso
 
 
 def state_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch.Tensor,
-              v_new: torch.Tensor, dvl: torch.Tensor, gc: torch.Tensor, z: torch.Tensor,
+              v_new: torch.Tensor, gc: torch.Tensor, z: torch.Tensor,
               h: torch.Tensor, dht: torch.Tensor | None, need_dh0: bool, all_dz: bool,
               scale: float, cmap, bt: int, r: int,
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -243,8 +332,10 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch.Tenso
     _, _, heads, d_k = q.shape
     d_v = do.shape[-1]
     n_seq = cmap.cu_seqlens.numel() - 1
+    fuse = FUSE_DV_LOCAL and r == 1
+    dvl = do if fuse else dv_local(q, k, do, gc, scale, cmap, bt, r)  # do: an unread stand-in
     dh = empty(*h.shape, dtype=h.dtype, device=q.device)
-    dv = empty(*do.shape, dtype=torch.float32, device=q.device)
+    dv = empty(*do.shape, dtype=grad_dtype(do.dtype), device=q.device)
     dz = torch.zeros(z.shape, dtype=torch.float32, device=q.device)
     dgs = torch.zeros(z.shape, dtype=torch.float32, device=q.device)
     dh0 = (empty(n_seq, heads, d_k, d_v, dtype=torch.float32, device=q.device)
@@ -256,22 +347,24 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch.Tenso
                             scale, cmap.cu_seqlens, cmap.chunk_offsets,
                             H=heads, K=d_k, V=d_v, BT=bt, R=r, USE_DHT=dht is not None,
                             STORE_DH0=need_dh0, DZ_MIN=-1.0 if all_dz else 0.5,
-                            PREC=dot_precision(q.dtype))
+                            FUSE_DVL=fuse, PREC=dot_precision(q.dtype))
     return dh, dv, dz, dgs, dh0
 
 
 def dqkwg(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, do: torch.Tensor,
           dv: torch.Tensor, gc: torch.Tensor, h: torch.Tensor, dh: torch.Tensor, scale: float,
           cmap, bt: int, r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, partial dk, dw, partial d gc)``; the partial ones in float32."""
+    """``(dq, partial dk, dw, partial d gc)``."""
     _, _, heads, d_k = q.shape
     dq = empty(*q.shape, dtype=q.dtype, device=q.device)
-    dk, dw = (empty(*q.shape, dtype=torch.float32, device=q.device) for _ in range(2))
-    dgc = empty(*q.shape[:3], dtype=torch.float32, device=q.device)
-    _dqkwg_kernel[(cmap.chunk_seq.numel() * r, heads)](
+    dk, dw = (empty(*q.shape, dtype=grad_dtype(q.dtype), device=q.device) for _ in range(2))
+    bk = min(d_k, DQKWG_BLOCK_K)
+    dgc = (empty if bk == d_k else torch.zeros)(*q.shape[:3], dtype=torch.float32,
+                                                 device=q.device)
+    _dqkwg_kernel[(cmap.chunk_seq.numel() * r, heads, d_k // bk)](
         q, k, v_new, do, dv, gc, h, dh, dq, dk, dw, dgc, scale, cmap.cu_seqlens,
         cmap.chunk_offsets, cmap.chunk_seq, H=heads, K=d_k, V=do.shape[-1], BT=bt, R=r,
-        PREC=dot_precision(q.dtype))
+        BK=bk, PREC=dot_precision(q.dtype))
     return dq, dk, dw, dgc
 
 
@@ -288,5 +381,5 @@ def wy_bwd(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
     _wy_bwd_kernel[(cmap.chunk_seq.numel() * r, heads)](
         k, v, beta, gc, a, dw, du, dk_part, dgc, dgs, dk, dv, dbeta, dg, cmap.cu_seqlens,
         cmap.chunk_offsets, cmap.chunk_seq, H=heads, K=d_k, V=v.shape[-1], BT=bt, R=r,
-        PREC=dot_precision(k.dtype))
+        BK=min(d_k, WY_BWD_BLOCK_K), PREC=dot_precision(k.dtype))
     return dk, dv, dbeta, dg

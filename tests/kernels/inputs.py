@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Literal
@@ -79,6 +80,8 @@ def check(got: torch.Tensor, want: torch.Tensor, tol: float, name: str) -> None:
         assert not got.any(), name
         return
     err = rel_rms_error(got, want)
+    if os.environ.get("NATS_PRINT_ERRORS"):  # for reports: ``pytest -s`` with it set
+        print(f"{name}: relative RMS error {err:.2e} (tolerance {tol:.0e})")
     assert err <= tol, f"{name}: relative RMS error {err:.2e}"
 
 
