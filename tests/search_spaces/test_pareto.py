@@ -1,0 +1,63 @@
+"""The non-dominated filter against a brute-force check, and the front's plot."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from nats.analysis.pareto import dominates, pareto_front, plot_front
+
+
+def _brute_force(points: list[tuple[float, ...]], modes: list[str]) -> list[int]:
+    def better_or_equal(a: float, b: float, mode: str) -> bool:
+        return a <= b if mode == "min" else a >= b
+
+    out = []
+    for i, p in enumerate(points):
+        dominated = any(
+            all(better_or_equal(q[k], p[k], m) for k, m in enumerate(modes)) and q != p
+            for j, q in enumerate(points) if j != i)
+        if not dominated:
+            out.append(i)
+    return out
+
+
+@pytest.mark.parametrize("modes", [list(m) for n in (1, 2, 3)
+                                   for m in itertools.product(("min", "max"), repeat=n)])
+def test_front_matches_brute_force(modes: list[str]) -> None:
+    rng = random.Random(len(modes) * 7 + modes.count("max"))
+    for _ in range(60):
+        n = rng.randint(0, 25)
+        # Few distinct values: many ties and duplicates.
+        points = [tuple(float(rng.randint(0, 5)) for _ in modes) for _ in range(n)]
+        assert pareto_front(points, modes) == _brute_force(points, modes)
+
+
+def test_dominance_and_duplicates() -> None:
+    assert dominates((1, 1), (1, 2), ["min", "min"])
+    assert not dominates((1, 2), (1, 2), ["min", "min"])
+    assert dominates((1, 3), (1, 2), ["min", "max"])
+    assert pareto_front([(1, 2), (1, 2), (2, 1), (2, 2)], ["min", "min"]) == [0, 1, 2]
+
+
+def test_bad_points() -> None:
+    with pytest.raises(ValueError, match="objectives"):
+        pareto_front([(1.0,)], ["min", "min"])
+    with pytest.raises(ValueError, match="one of"):
+        pareto_front([(1.0,)], ["smallest"])
+    with pytest.raises(ValueError, match="not a number"):
+        pareto_front([(float("nan"),)], ["min"])
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    points = [(1e5, 2.0), (3e5, 1.0), (2e5, 2.5), (5e5, 0.9)]
+    front = pareto_front(points, ["min", "min"])
+    path = plot_front(points, front, tmp_path / "front.png", xlabel="FLOPs per token",
+                      ylabel="eval/ce", title="test", labels=["a", "b", "c", "d"])
+    with Image.open(path) as img:
+        assert img.format == "PNG" and img.size == (720, 480)
+    plot_front([(1.0, 1.0)], [0], tmp_path / "one.png", xlabel="x", ylabel="y")
