@@ -223,6 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write into a non-empty --out, replacing the exported files")
     export.set_defaults(func=_export)
 
+    from nats.search_spaces.cli import add_search_parser
+
+    add_search_parser(sub)
+
     bench = sub.add_parser("bench", help="GPU benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_target", required=True, metavar="TARGET")
     kernels = bench_sub.add_parser(

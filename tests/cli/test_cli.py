@@ -59,6 +59,18 @@ def _nats(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
     ["export", ".", "--out", "exported"],
     ["export", "/no/such/run"],
     ["export", ".", "--out", "exported", "--eval-batches", "some"],
+    ["search", "--space", "no-such-space"],
+    ["search", "--space", "."],
+    ["search", "--num-trials", "0"],
+    ["search", "--steps", "0"],
+    ["search", "--metric", "bpb"],  # bits per byte need task 'text'
+    ["search", "--metric", "beauty"],
+    ["search", "--context", "0"],
+    ["search", "--sampler", "grid"],
+    ["search", "--resume", "/no/such/search"],
+    ["search", "show"],
+    ["search", "show", "/no/such/search"],
+    ["search", "runs/x"],
 ])
 def test_bad_input_is_one_line_and_status_2(argv: list[str], capsys, tmp_path: Path,
                                             monkeypatch) -> None:
@@ -167,6 +179,18 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on GPU-less machines")
+def test_bad_search_space_file_is_one_line(tmp_path: Path) -> None:
+    space = tmp_path / "space.yaml"
+    space.write_text("params:\n  chunk_size: [16, 48]\n  layers: {choices: [nats, gdn]}\n")
+    done = _nats("search", "--space", str(space), "--out", str(tmp_path / "search"))
+    assert done.returncode == 2
+    assert done.stderr == f"nats: error: space file {space}: params.chunk_size = 48 is " \
+                          "invalid: must be chunk sizes from (16, 32, 64, 128, 256)\n"
+    assert not (tmp_path / "search").exists()
+    listed = _nats("search", "--list-spaces")
+    assert listed.returncode == 0 and "chunk-and-mix (default)" in listed.stdout
+
+
 def test_kernel_benchmark_needs_a_gpu(capsys) -> None:
     assert _status(["bench", "kernels", "--seq-lens", "2048"]) == 2
     assert capsys.readouterr().err == ("nats: error: nats bench kernels needs a CUDA GPU: kernel "

@@ -1,0 +1,66 @@
+"""The built-in search spaces (written as a YAML file would hold them) and search bases."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nats.trainers import TrainConfig, preset
+
+BUILTIN_SPACES: dict[str, dict[str, Any]] = {
+    "chunk-and-mix": {
+        "description": "chunk size, each layer's type and the cost weight lambda",
+        "params": {
+            "chunk_size": [16, 32, 64],
+            "layers": {"choices": ["nats", "gdn", "softmax"]},
+            "reg_lambda": {"low": 0.001, "high": 0.3, "log": True},
+        },
+    },
+    "layer-mix": {
+        "description": "each layer's type only (chunk size and lambda from the base)",
+        "params": {"layers": {"choices": ["nats", "gdn", "softmax"]}},
+    },
+    "nats-every-k": {
+        "description": "depth and a pattern: every k-th layer NAtS-L, the others one type",
+        "params": {
+            "n_layers": [2, 3, 4],
+            "layers": {"every": [1, 2, 3], "kind": "nats", "other": ["gdn", "softmax"]},
+            "reg_lambda": {"low": 0.001, "high": 0.3, "log": True},
+        },
+    },
+    "full": {
+        "description": "depth (per-layer types follow it), width, chunk size, softmax heads "
+                       "per routing head, lambda and learning rate",
+        "params": {
+            "n_layers": [2, 3, 4],
+            "d_model": [64, 128],
+            "chunk_size": [16, 32, 64, 128, 256],
+            "layers": {"choices": ["nats", "gdn", "softmax"]},
+            "softmax_heads_per_head": [1, 2, 4],
+            "reg_lambda": {"low": 0.001, "high": 0.3, "log": True},
+            "lr": {"low": 0.001, "high": 0.01, "log": True},
+        },
+    },
+}
+"""Name -> space mapping; ``chunk-and-mix`` is the default."""
+
+DEFAULT_SPACE = "chunk-and-mix"
+
+SEARCH_BASES = ("mqar-search",)
+"""Bases only a search uses (beside the trainer presets)."""
+DEFAULT_BASE = "mqar-search"
+
+
+def search_base(name: str) -> TrainConfig:
+    """A search base by name: ``mqar-search`` or any trainer preset (``nats train
+    --preset``).
+
+    ``mqar-search`` is the ``mqar-tiny`` task (4 key-value pairs in 32 tokens) with NAtS-L
+    layers, so the routes matter, trained 300 steps (~30 s a trial on one CPU core),
+    evaluated and checkpointed every 100.
+    """
+    if name == "mqar-search":
+        base = preset("mqar-tiny")
+        return base.replace(model=base.model.replace(layer_types=("nats", "nats")), steps=300,
+                            eval_interval=100, checkpoint_interval=100, keep_checkpoints=1,
+                            out_dir="runs/search")
+    return preset(name)

@@ -1,0 +1,79 @@
+"""What a search optimises: a quality metric of the evaluation and a cost from the cost model.
+
+The cost of a trial is :func:`nats.analysis.cost_model.architecture_cost` of its model at
+a target context length, with each NAtS-L layer's softmax fraction as measured by the
+trial's latest evaluation (``eval/attn_frac/layer{i}``); softmax and Gated DeltaNet
+layers have their implied fractions (1 and 0).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from nats.analysis.cost_model import architecture_cost
+from nats.config import NatsConfig
+
+QUALITY = {
+    "loss": ("eval/ce", "min"),
+    "acc": ("eval/acc", "max"),
+    "seq_acc": ("eval/seq_acc", "max"),
+    "bpb": ("eval/bpb", "min"),
+}
+"""``--metric`` -> (reported key, mode). ``loss`` is the cross-entropy without the routing
+regulariser (``eval/loss`` adds lambda times the softmax fraction, which would make trials
+with different lambda incomparable); ``bpb`` exists for task ``text`` only."""
+
+COSTS = {
+    "flops": ("cost/flops_per_token", "min"),
+    "kv": ("cost/kv_cache_bytes", "min"),
+    "cache": ("cost/cache_bytes", "min"),
+}
+"""``--cost`` -> (reported key, mode): token-mixer FLOPs per token averaged over a
+``context``-token sequence, KV-cache bytes after ``context`` tokens, or KV cache plus
+recurrent state (batch 1; bf16 KV, fp32 state)."""
+
+OBJECTIVES = ("pareto", "quality", "cost")
+"""``pareto``: quality and cost (multi-objective); ``quality`` or ``cost`` alone."""
+
+
+def layer_fractions(config: NatsConfig, metrics: Mapping[str, float]) -> list[float | None]:
+    """Each layer's measured softmax fraction (NAtS-L layers) or ``None`` (others)."""
+    out: list[float | None] = []
+    for i, kind in enumerate(config.layer_types):
+        if kind != "nats":
+            out.append(None)
+            continue
+        key = f"eval/attn_frac/layer{i}"
+        if key not in metrics:
+            raise ValueError(f"metrics lack {key}, the softmax fraction of NAtS-L layer {i}")
+        out.append(float(metrics[key]))
+    return out
+
+
+def cost_metrics(config: NatsConfig, metrics: Mapping[str, float],
+                 context: int) -> dict[str, float]:
+    """``cost/*`` values of the model at ``context`` tokens with the measured fractions."""
+    cost = architecture_cost(config, layer_fractions(config, metrics), context)
+    return {"cost/flops_per_token": float(cost.flops_per_token),
+            "cost/softmax_flops_per_token": float(cost.softmax_flops_per_token),
+            "cost/kv_cache_bytes": float(cost.kv_cache_bytes),
+            "cost/cache_bytes": float(cost.cache_bytes)}
+
+
+def objective_keys(objective: str, quality: str, cost: str) -> tuple[list[str], list[str]]:
+    """Reported keys and modes that the searcher optimises."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"--objective {objective!r}: must be one of {OBJECTIVES}")
+    if quality not in QUALITY:
+        raise ValueError(f"--metric {quality!r}: must be one of {tuple(QUALITY)}")
+    if cost not in COSTS:
+        raise ValueError(f"--cost {cost!r}: must be one of {tuple(COSTS)}")
+    chosen = {"pareto": [QUALITY[quality], COSTS[cost]], "quality": [QUALITY[quality]],
+              "cost": [COSTS[cost]]}[objective]
+    return [k for k, _ in chosen], [m for _, m in chosen]
+
+
+def finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value)

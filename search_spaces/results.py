@@ -1,0 +1,186 @@
+"""A search's results: the table of all trials, the Pareto front, the plot and the export.
+
+Rows come from the trials' ``search_trial.json`` files, so a running search can be shown
+too. The front is taken over the trials that finished all their steps (a trial stopped
+early by ASHA or the time budget is listed, but its quality is not comparable).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nats.analysis.pareto import pareto_front, plot_front
+from nats.atomic_write import atomic_write_bytes
+
+from .objectives import finite
+from .search import TRIAL_FILE, SearchSettings
+from .spaces import MODEL_PARAMS
+
+RESULTS_CSV, FRONT_JSON, FRONT_PNG, EXPORT_DIR = ("results.csv", "pareto.json", "pareto.png",
+                                                  "export")
+
+
+@dataclass
+class SearchResults:
+    settings: SearchSettings
+    rows: list[dict[str, Any]]
+    """One per trial, in start order: ``trial_id``, ``status``, ``step``, the model fields
+    a search changes, ``param/*`` (Optuna's parameters), ``eval/*`` and ``cost/*``."""
+    front: list[int]
+    """Indices into ``rows`` of the Pareto front, by increasing cost (or quality order)."""
+    keys: list[str]
+    modes: list[str]
+
+
+def _row(record: dict[str, Any], error: str | None) -> dict[str, Any]:
+    model = record.get("model", {})
+    status = record.get("status", "running")
+    if error is not None:
+        status = "error"
+    row: dict[str, Any] = {"trial_id": record["trial_id"], "status": status,
+                           "step": record.get("step", 0), "steps": record.get("steps")}
+    for name in ("chunk_size", "n_layers", "d_model", "n_heads", "softmax_heads_per_head",
+                 "reg_lambda"):
+        row[name] = model.get(name)
+    row["layer_types"] = "-".join(model.get("layer_types", []))
+    for key, value in sorted(record.get("params", {}).items()):
+        row[f"param/{key}"] = value
+    row.update(record.get("metrics", {}))
+    if error is not None:
+        row["error"] = error
+    return row
+
+
+def collect(out: str | Path, errors: dict[str, str] | None = None,
+            finished: bool = False) -> SearchResults:
+    """Read every trial of the search in ``out``. ``finished``: the search is over, so a
+    trial still marked running was stopped (ASHA, time budget)."""
+    out = Path(out)
+    settings = SearchSettings.load(out)
+    errors = dict(errors or {})
+    records = []
+    for path in sorted((out / "trials").glob(f"*/{TRIAL_FILE}")):
+        try:
+            records.append(json.loads(path.read_text()))
+        except json.JSONDecodeError:
+            continue  # being written by a running trial (writes are atomic: rare)
+    records.sort(key=lambda r: r["trial_id"])
+    rows = [_row(r, errors.pop(r["trial_id"], None)) for r in records]
+    rows += [{"trial_id": t, "status": "error", "error": e} for t, e in sorted(errors.items())]
+    if finished:
+        for row in rows:
+            if row["status"] in ("running", "interrupted"):
+                row["status"] = "stopped"
+    keys, modes = settings.keys_and_modes
+    done = [i for i, r in enumerate(rows)
+            if r["status"] == "done" and all(finite(r.get(k)) for k in keys)]
+    front = [done[j] for j in pareto_front([[rows[i][k] for k in keys] for i in done], modes)]
+    cost_key = settings.cost_key[0]
+    front.sort(key=lambda i: (rows[i].get(cost_key, 0.0), rows[i]["trial_id"]))
+    return SearchResults(settings, rows, front, keys, modes)
+
+
+def write(results: SearchResults, out: str | Path) -> list[Path]:
+    """``results.csv`` (all trials), ``pareto.json`` and ``pareto.png``."""
+    out = Path(out)
+    columns: list[str] = []
+    for row in results.rows:
+        columns += [k for k in row if k not in columns]
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(results.rows)
+    atomic_write_bytes(out / RESULTS_CSV, buf.getvalue().encode())
+    s = results.settings
+    front_doc = {"objectives": [{"metric": k, "mode": m}
+                                for k, m in zip(results.keys, results.modes, strict=True)],
+                 "context": s.context,
+                 "trials": [results.rows[i] for i in results.front]}
+    atomic_write_bytes(out / FRONT_JSON, json.dumps(front_doc, indent=2).encode())
+    (qk, _), (ck, _) = s.quality_key, s.cost_key
+    plotted = [i for i, r in enumerate(results.rows) if finite(r.get(qk)) and finite(r.get(ck))]
+    points = [(results.rows[i][ck], results.rows[i][qk]) for i in plotted]
+    front = [plotted.index(i) for i in results.front if i in plotted]
+    labels = [""] * len(plotted)
+    for n, i in enumerate(results.front, 1):
+        if i in plotted:
+            labels[plotted.index(i)] = f"#{n}"
+    png = plot_front(points, front, out / FRONT_PNG,
+                     xlabel=f"{ck} at {s.context} tokens ({_unit(ck)})",
+                     ylabel=f"{qk} ({'lower' if s.quality_key[1] == 'min' else 'higher'} "
+                            "is better)",
+                     title=f"{len(plotted)} trials, Pareto front in orange", labels=labels)
+    return [out / RESULTS_CSV, out / FRONT_JSON, png]
+
+
+def _unit(key: str) -> str:
+    return "FLOPs" if "flops" in key else "bytes"
+
+
+def pick(results: SearchResults, choice: str | int | None = None) -> int:
+    """The row to export: ``#N`` of the printed front (1-based) or a trial id; by default
+    the front's best quality (ties: the cheaper)."""
+    if not results.front:
+        raise ValueError("no trial finished with both objectives measured: nothing to pick")
+    if choice is None:
+        key, mode = results.settings.quality_key
+        sign = 1.0 if mode == "min" else -1.0
+        cost = results.settings.cost_key[0]
+        return min(results.front,
+                   key=lambda i: (sign * results.rows[i].get(key, float("inf")),
+                                  results.rows[i].get(cost, 0.0)))
+    text = str(choice).lstrip("#")
+    if text.isdigit():
+        n = int(text)
+        if not 1 <= n <= len(results.front):
+            raise ValueError(f"--pick {choice}: the front has entries 1..{len(results.front)}")
+        return results.front[n - 1]
+    for i, row in enumerate(results.rows):
+        if row["trial_id"] == text:
+            if row["status"] != "done":
+                raise ValueError(f"--pick {choice}: trial {text} is {row['status']}, not done")
+            return i
+    raise ValueError(f"--pick {choice}: neither a front entry 1..{len(results.front)} nor a "
+                     "trial id of this search")
+
+
+def export_pick(results: SearchResults, out: str | Path, index: int) -> Any:
+    """Export trial ``rows[index]`` with :func:`nats.export.export_architecture` into
+    ``out/export`` (replacing an earlier export)."""
+    from nats.export import export_architecture
+
+    out = Path(out)
+    trial_dir = out / "trials" / results.rows[index]["trial_id"]
+    return export_architecture(trial_dir, out / EXPORT_DIR, force=True)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)
+
+
+TABLE_COLUMNS = ("trial_id", "status", "step", "chunk_size", "layer_types", "reg_lambda")
+
+
+def table(results: SearchResults, rows: list[int] | None = None,
+          numbered: bool = False) -> str:
+    """A plain-text table of ``rows`` (default: all) with the objectives and fractions."""
+    s = results.settings
+    keys = [s.quality_key[0], s.cost_key[0], "eval/attn_frac"]
+    extra = [d.name if d.name in MODEL_PARAMS else f"param/{d.name}"
+             for d in s.search_space().dims if d.name not in TABLE_COLUMNS]
+    columns = [*(("#",) if numbered else ()), *TABLE_COLUMNS, *extra, *keys]
+    indices = range(len(results.rows)) if rows is None else rows
+    body = [[str(n) if c == "#" else _fmt(results.rows[i].get(c)) for c in columns]
+            for n, i in enumerate(indices, 1)]
+    widths = [max(len(c), *(len(r[j]) for r in body)) if body else len(c)
+              for j, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in body]
+    return "\n".join(line.rstrip() for line in lines)

@@ -1,0 +1,360 @@
+"""The search engine: Ray Tune runs the trials, Optuna (through ``OptunaSearch``) picks them.
+
+A search folder ``DIR`` holds ``search.json`` (the settings, space and base config: all a
+resume needs), ``trials/<trial_id>/`` (each trial's run folder: TensorBoard events,
+checkpoints, the model, and ``search_trial.json``, its parameters and latest metrics),
+``tune/`` (Ray Tune's experiment state, for ``Tuner.restore``), and at the end
+``results.csv``, ``pareto.json``, ``pareto.png`` and ``export/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nats.atomic_write import atomic_write_bytes
+from nats.trainers import TrainConfig
+
+from .objectives import COSTS, QUALITY, cost_metrics, objective_keys
+from .spaces import DefineByRun, SearchSpace, check_space_fits, space_from_dict
+
+SETTINGS_FILE = "search.json"
+TRIAL_FILE = "search_trial.json"
+TUNE_NAME = "tune"
+SAMPLERS = ("tpe", "nsga2")
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    """Everything a search is, saved as ``DIR/search.json``."""
+
+    space: dict[str, Any]
+    """The space mapping (``SearchSpace.source``) with its ``name``."""
+    base: dict[str, Any]
+    """The base ``TrainConfig.to_dict()``."""
+    quality: str = "loss"
+    cost: str = "flops"
+    objective: str = "pareto"
+    context: int = 8192
+    num_trials: int = 8
+    max_concurrent: int = 2
+    cpus_per_trial: float = 1.0
+    gpus_per_trial: float = 0.0
+    time_budget_s: float | None = None
+    seed: int = 0
+    sampler: str = "tpe"
+    asha: bool = False
+    max_failures: int = 2
+    optuna_storage: str | None = None
+    study_name: str = "nats-search"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        objective_keys(self.objective, self.quality, self.cost)
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"--sampler {self.sampler!r}: must be one of {SAMPLERS}")
+        for name in ("context", "num_trials", "max_concurrent"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {value!r}: must be an "
+                                 "integer >= 1")
+        if isinstance(self.max_failures, bool) or not isinstance(self.max_failures, int) \
+                or self.max_failures < 0:
+            raise ValueError(f"--max-failures {self.max_failures!r}: must be an integer >= 0")
+        if not self.cpus_per_trial > 0:
+            raise ValueError(f"--cpus-per-trial {self.cpus_per_trial!r}: must be > 0")
+        if not self.gpus_per_trial >= 0:
+            raise ValueError(f"--gpus-per-trial {self.gpus_per_trial!r}: must be >= 0")
+        if self.time_budget_s is not None and not self.time_budget_s > 0:
+            raise ValueError(f"--time-budget {self.time_budget_s!r}: must be > 0 seconds")
+        if self.quality == "bpb" and self.base.get("task") != "text":
+            raise ValueError("--metric bpb needs task 'text' (bits per byte of a corpus)")
+
+    def search_space(self) -> SearchSpace:
+        return space_from_dict(self.space, where=f"space {self.space.get('name')!r}")
+
+    def base_config(self) -> TrainConfig:
+        return TrainConfig.from_dict(self.base)
+
+    @property
+    def keys_and_modes(self) -> tuple[list[str], list[str]]:
+        return objective_keys(self.objective, self.quality, self.cost)
+
+    @property
+    def quality_key(self) -> tuple[str, str]:
+        return QUALITY[self.quality]
+
+    @property
+    def cost_key(self) -> tuple[str, str]:
+        return COSTS[self.cost]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SearchSettings:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"search settings: unknown key(s) {unknown}")
+        return cls(**data)
+
+    def save(self, out: Path) -> None:
+        atomic_write_bytes(out / SETTINGS_FILE, json.dumps(self.to_dict(), indent=2).encode())
+
+    @classmethod
+    def load(cls, out: Path) -> SearchSettings:
+        path = out / SETTINGS_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{out} holds no search ({SETTINGS_FILE} is missing)")
+        return cls.from_dict(json.loads(path.read_text()))
+
+
+def make_settings(space: SearchSpace, base: TrainConfig, **options: Any) -> SearchSettings:
+    """Settings for a new search of ``space`` around ``base``; the space is sampled against
+    the base first, so a space that cannot fit fails now and not in a trial."""
+    check_space_fits(space, base)
+    return SearchSettings(space={**space.source, "name": space.name}, base=base.to_dict(),
+                          **options)
+
+
+# --- one trial (runs inside a Ray worker) ------------------------------------------------
+
+
+def trial_config(settings: SearchSettings, params: dict[str, Any], out_dir: Path) -> TrainConfig:
+    """The trial's run config: the base with the suggested ``params``, writing to
+    ``out_dir``, on a GPU when the trial has one, checkpointed at every evaluation."""
+    import optuna
+
+    base = settings.base_config()
+    config = settings.search_space().sample(optuna.trial.FixedTrial(params), base)
+    device = "cuda" if settings.gpus_per_trial > 0 else "cpu"
+    return config.replace(out_dir=str(out_dir), device=device,
+                          checkpoint_interval=min(config.eval_interval,
+                                                  config.checkpoint_interval))
+
+
+def _write_trial(out_dir: Path, record: dict[str, Any]) -> None:
+    atomic_write_bytes(out_dir / TRIAL_FILE, json.dumps(record, indent=2).encode())
+
+
+def _restore_tune_checkpoint(out_dir: Path) -> None:
+    """A retried trial: if Tune holds a newer trainer checkpoint than the run folder (say the
+    folder was on a node that died), put it back so that the trainer resumes from it."""
+    from ray import tune
+
+    from nats.trainers import latest_checkpoint
+    from nats.trainers.checkpoint import checkpoint_dir, list_checkpoints
+
+    checkpoint = tune.get_checkpoint()
+    if checkpoint is None:
+        return
+    have = list_checkpoints(out_dir)
+    with checkpoint.as_directory() as d:
+        files = sorted(Path(d).glob("step_*.safetensors"))
+        if not files:
+            return
+        newest = files[-1]
+        if latest_checkpoint(out_dir) is None or newest.name > have[-1][1].name:
+            checkpoint_dir(out_dir).mkdir(parents=True, exist_ok=True)
+            shutil.copy2(newest, checkpoint_dir(out_dir) / newest.name)
+
+
+def run_trial(params: dict[str, Any], *, settings: SearchSettings, trials_dir: str) -> None:
+    """Ray Tune function trainable: train the trial's config, report after every
+    evaluation (quality, cost, softmax fractions, and the newest trainer checkpoint)."""
+    import torch
+    from ray import tune
+
+    from nats.trainers import latest_checkpoint, train
+
+    trial_id = tune.get_context().get_trial_id()
+    out_dir = Path(trials_dir) / trial_id
+    config = trial_config(settings, params, out_dir)
+    torch.set_num_threads(max(1, int(settings.cpus_per_trial)))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _restore_tune_checkpoint(out_dir)
+    resume = latest_checkpoint(out_dir) is not None
+    record: dict[str, Any] = {"trial_id": trial_id, "params": params, "status": "running",
+                              "step": 0, "steps": config.steps, "metrics": {},
+                              "model": config.model.to_dict()}
+    _write_trial(out_dir, record)
+    reported = [latest_checkpoint(out_dir)]
+
+    def on_eval(step: int, metrics: dict[str, float]) -> None:
+        values = {k: v for k, v in metrics.items() if "/head" not in k}
+        values.update(cost_metrics(config.model, metrics, settings.context))
+        values["step"] = step
+        record.update(step=step, metrics=values)
+        _write_trial(out_dir, record)
+        newest = latest_checkpoint(out_dir)
+        if newest is None or newest == reported[0]:
+            tune.report(values)
+            return
+        reported[0] = newest
+        with tempfile.TemporaryDirectory() as d:
+            shutil.copy2(newest, Path(d) / newest.name)
+            tune.report(values, checkpoint=tune.Checkpoint.from_directory(d))
+
+    result = train(config, resume=resume, on_eval=on_eval)
+    record.update(status="interrupted" if result.interrupted else "done", step=result.step)
+    _write_trial(out_dir, record)
+
+
+# --- the driver --------------------------------------------------------------------------
+
+
+def _optuna_storage(url: str | None) -> Any:
+    """An Optuna storage from ``--optuna-storage``: a database URL (``sqlite:///f.db``,
+    ``postgresql://...``) or a file path, used as a journal file (safe for parallel use)."""
+    if url is None:
+        return None
+    import optuna
+
+    if "://" in url:
+        return optuna.storages.RDBStorage(url)
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    return JournalStorage(JournalFileBackend(str(Path(url).resolve())))
+
+
+def _sampler(settings: SearchSettings) -> Any:
+    import optuna
+
+    if settings.sampler == "nsga2":
+        population = max(2, min(50, settings.num_trials // 2))
+        return optuna.samplers.NSGAIISampler(seed=settings.seed, population_size=population)
+    # Multivariate TPE over groups of parameters that appear together (conditional spaces);
+    # half the trials (at most 10) are random before the model takes over.
+    return optuna.samplers.TPESampler(seed=settings.seed, multivariate=True, group=True,
+                                      n_startup_trials=max(1, min(10, settings.num_trials // 2)))
+
+
+def _trainable(settings: SearchSettings, out: Path) -> Any:
+    from ray import tune
+
+    fn = tune.with_parameters(run_trial, settings=settings, trials_dir=str(out / "trials"))
+    resources = {"cpu": settings.cpus_per_trial, "gpu": settings.gpus_per_trial}
+    return tune.with_resources(fn, resources)
+
+
+def _tuner(settings: SearchSettings, out: Path) -> Any:
+    import warnings
+
+    import optuna
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+    from ray.tune.search.optuna import OptunaSearch
+
+    metrics, modes = settings.keys_and_modes
+    base = settings.base_config()
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    searcher = OptunaSearch(DefineByRun(settings.search_space(), base),
+                            metric=metrics if len(metrics) > 1 else metrics[0],
+                            mode=modes if len(modes) > 1 else modes[0],
+                            sampler=_sampler(settings),
+                            storage=_optuna_storage(settings.optuna_storage),
+                            study_name=settings.study_name)
+    scheduler = None
+    if settings.asha:
+        key, mode = settings.quality_key
+        scheduler = ASHAScheduler(metric=key, mode=mode, time_attr="step", max_t=base.steps,
+                                  grace_period=min(base.eval_interval, base.steps),
+                                  reduction_factor=2)
+    return tune.Tuner(
+        _trainable(settings, out),
+        tune_config=tune.TuneConfig(search_alg=searcher, scheduler=scheduler,
+                                    num_samples=settings.num_trials,
+                                    max_concurrent_trials=settings.max_concurrent,
+                                    time_budget_s=settings.time_budget_s),
+        run_config=tune.RunConfig(
+            name=TUNE_NAME, storage_path=str(out),
+            failure_config=tune.FailureConfig(max_failures=settings.max_failures),
+            checkpoint_config=tune.CheckpointConfig(num_to_keep=1), verbose=1))
+
+
+def _ray_init(address: str | None) -> bool:
+    """Connect to ``address`` (or ``RAY_ADDRESS``), else start a local Ray; ``True`` when
+    this call started it (and so should shut it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address)
+    else:
+        ray.init(include_dashboard=False)
+    return True
+
+
+def _with_ray(address: str | None, fit: Any) -> Any:
+    import ray
+
+    started = _ray_init(address)
+    try:
+        return fit()
+    finally:
+        if started:
+            ray.shutdown()
+
+
+@dataclass(frozen=True)
+class FitOutcome:
+    errors: dict[str, str]
+    """Trial id -> one-line error of every trial that failed after its retries."""
+    complete: bool
+    """Every trial ended (or the time budget did); ``False``: the search was interrupted
+    (Ctrl-C) and ``nats search --resume`` continues it."""
+
+
+def _outcome(grid: Any, settings: SearchSettings) -> FitOutcome:
+    errors = {}
+    for result in grid:
+        if result.error is not None:
+            trial_id = (result.metrics or {}).get("trial_id") or Path(result.path).name
+            errors[str(trial_id)] = " ".join(str(result.error).split())[:300]
+    ended = len(grid) >= settings.num_trials and \
+        grid.num_terminated + grid.num_errors == len(grid)
+    return FitOutcome(errors, ended or settings.time_budget_s is not None)
+
+
+def run_search(settings: SearchSettings, out: str | Path, *,
+               address: str | None = None) -> FitOutcome:
+    """Run a new search into ``out`` (absent or empty)."""
+    out = Path(out).resolve()
+    if (out / SETTINGS_FILE).exists():
+        raise FileExistsError(f"{out} already holds a search; continue it with `nats search "
+                              f"--resume {out}`, show it with `nats search show {out}`, or "
+                              "choose another --out")
+    if out.is_file():
+        raise FileExistsError(f"--out {out} is a file, not a folder")
+    (out / "trials").mkdir(parents=True, exist_ok=True)
+    settings.save(out)
+    return _with_ray(address, lambda: _outcome(_tuner(settings, out).fit(), settings))
+
+
+def resume_search(out: str | Path, *,
+                  address: str | None = None) -> FitOutcome:
+    """Continue the search in ``out`` (``Tuner.restore``): finished trials are kept,
+    unfinished ones resume from their checkpoints, errored ones are retried."""
+    from ray import tune
+
+    out = Path(out).resolve()
+    settings = SearchSettings.load(out)
+    path = out / TUNE_NAME
+
+    def fit() -> FitOutcome:
+        if not tune.Tuner.can_restore(str(path)):
+            raise FileNotFoundError(f"{path} holds no Ray Tune experiment state to resume")
+        tuner = tune.Tuner.restore(str(path), trainable=_trainable(settings, out),
+                                   resume_unfinished=True, resume_errored=True)
+        return _outcome(tuner.fit(), settings)
+
+    return _with_ray(address, fit)

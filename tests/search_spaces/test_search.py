@@ -1,0 +1,119 @@
+"""Tiny searches on the CPU with a local Ray: results, front and export agree; an
+interrupted search resumes; the command's errors are one line."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from nats.analysis.pareto import pareto_front
+from nats.cli import main
+from nats.search_spaces.objectives import COSTS, QUALITY
+
+ray = pytest.importorskip("ray")
+
+TINY = ["--steps", "6", "--cpus-per-trial", "1"]
+"""The mqar-search base at 6 steps: a trial trains in about a second."""
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _rows(out: Path) -> list[dict[str, str]]:
+    with open(out / "results.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _check_consistent(out: Path, metric: str = "loss", cost: str = "flops") -> dict:
+    """results.csv, pareto.json, pareto.png and export/ agree with each other."""
+    rows = _rows(out)
+    (qk, qm), (ck, cm) = QUALITY[metric], COSTS[cost]
+    done = [r for r in rows if r["status"] == "done"]
+    points = [(float(r[qk]), float(r[ck])) for r in done]
+    expected = {done[i]["trial_id"] for i in pareto_front(points, [qm, cm])}
+    front = json.loads((out / "pareto.json").read_text())
+    assert [o["metric"] for o in front["objectives"]] == [qk, ck]
+    assert {t["trial_id"] for t in front["trials"]} == expected
+    assert (out / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    exported = json.loads((out / "export" / "config.json").read_text())
+    matches = []
+    for trial in front["trials"]:
+        run = json.loads((out / "trials" / trial["trial_id"] / "train_config.json").read_text())
+        if run["model"] == {k: exported[k] for k in run["model"]}:
+            matches.append(trial["trial_id"])
+    assert matches, "the exported config is none of the front's trials"
+    return {"rows": rows, "front": front, "exported": exported}
+
+
+def test_search_writes_consistent_results(tmp_path: Path, local_ray, capsys) -> None:
+    out = tmp_path / "search"
+    assert main(["search", *TINY, "--num-trials", "3", "--out", str(out), "--seed", "3"]) == 0
+    printed = capsys.readouterr().out
+    got = _check_consistent(out)
+    assert len(got["rows"]) == 3 and all(r["status"] == "done" for r in got["rows"])
+    assert "Pareto front" in printed and "exported trial" in printed
+    # The default pick is the front's best quality.
+    best = min(got["front"]["trials"], key=lambda t: t["eval/ce"])
+    assert f"exported trial {best['trial_id']}" in printed
+    # Every trial logged to TensorBoard under the one logdir.
+    for row in got["rows"]:
+        assert list((out / "trials" / row["trial_id"]).glob("events.out.tfevents.*"))
+    # show reprints, and --pick exports another front entry.
+    assert main(["search", "show", str(out)]) == 0
+    assert "Pareto front" in capsys.readouterr().out
+    last = len(got["front"]["trials"])
+    assert main(["search", "show", str(out), "--pick", str(last)]) == 0
+    picked = got["front"]["trials"][last - 1]["trial_id"]
+    assert f"exported trial {picked}" in capsys.readouterr().out
+    # A second search into the same folder is refused.
+    assert main(["search", *TINY, "--out", str(out)]) == 2
+    assert "already holds a search" in capsys.readouterr().err
+
+
+def test_interrupted_search_resumes(tmp_path: Path, local_ray, capsys) -> None:
+    out = tmp_path / "search"
+    stop = threading.Event()
+
+    def interrupt_after_first_trial() -> None:
+        # Tune stops the experiment on SIGUSR1 (as on Ctrl-C) and saves its state.
+        while not stop.is_set():
+            for path in (out / "trials").glob("*/search_trial.json"):
+                try:
+                    if json.loads(path.read_text())["status"] == "done":
+                        os.kill(os.getpid(), signal.SIGUSR1)
+                        return
+                except (json.JSONDecodeError, KeyError):
+                    pass
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=interrupt_after_first_trial, daemon=True)
+    watcher.start()
+    try:
+        status = main(["search", "--steps", "40", "--num-trials", "3", "--max-concurrent", "1",
+                       "--metric", "acc", "--cost", "kv", "--out", str(out)])
+    finally:
+        stop.set()
+        watcher.join()
+    assert status == 130
+    assert "nats search --resume" in capsys.readouterr().err
+    assert not (out / "export").exists()
+    first = {p.parent.name: p.stat().st_mtime_ns for p in (out / "trials").glob("*/model")}
+    assert len(first) >= 1
+
+    assert main(["search", "--resume", str(out)]) == 0
+    got = _check_consistent(out, metric="acc", cost="kv")
+    assert len(got["rows"]) == 3 and all(r["status"] == "done" for r in got["rows"])
+    # Finished trials were kept, not trained again.
+    for trial_id, mtime in first.items():
+        assert (out / "trials" / trial_id / "model").stat().st_mtime_ns == mtime

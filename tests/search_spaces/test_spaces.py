@@ -1,0 +1,101 @@
+"""Search spaces: loading and validation (one-line errors), define-by-run sampling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import FixedTrial
+
+from nats.search_spaces import BUILTIN_SPACES, DefineByRun, SpaceError, load_space, search_base
+from nats.search_spaces.spaces import check_space_fits, space_from_dict
+
+BASE = search_base("mqar-search")
+
+
+def test_builtin_spaces_load_and_fit_the_default_base() -> None:
+    assert {"chunk-and-mix", "layer-mix", "full"} <= set(BUILTIN_SPACES)
+    for name in BUILTIN_SPACES:
+        space = load_space(name)
+        assert space.name == name and space.describe()
+        check_space_fits(space, BASE)
+
+
+def test_fixed_trial_gives_the_expected_config() -> None:
+    space = load_space("chunk-and-mix")
+    params = {"chunk_size": 32, "layer0": "gdn", "layer1": "nats", "reg_lambda": 0.05}
+    got = space.sample(FixedTrial(params), BASE)
+    model = BASE.model.replace(chunk_size=32, layer_types=("gdn", "nats"), reg_lambda=0.05)
+    assert got == BASE.replace(model=model)
+
+
+def test_per_layer_choices_follow_the_depth() -> None:
+    space = load_space("full")
+    params = {"n_layers": 3, "d_model": 128, "chunk_size": 64, "softmax_heads_per_head": 4,
+              "reg_lambda": 0.01, "lr": 0.002, "layer0": "softmax", "layer1": "nats",
+              "layer2": "gdn"}
+    got = space.sample(FixedTrial(params), BASE)
+    assert got.model.layer_types == ("softmax", "nats", "gdn")
+    assert (got.model.n_layers, got.model.d_model, got.model.chunk_size) == (3, 128, 64)
+    assert got.model.softmax_heads_per_head == 4 and got.lr == 0.002
+    two = space.sample(FixedTrial({**params, "n_layers": 2}), BASE)  # layer2 is not asked
+    assert two.model.layer_types == ("softmax", "nats")
+    with pytest.raises(ValueError, match="layer2"):
+        space.sample(FixedTrial({k: v for k, v in params.items() if k != "layer2"}), BASE)
+
+
+def test_every_k_pattern() -> None:
+    space = space_from_dict({"params": {"n_layers": [4, 6], "layers": {
+        "every": [2, 3], "kind": "nats", "other": ["softmax", "gdn"]}}})
+    got = space.sample(FixedTrial({"n_layers": 6, "every": 3, "other_layers": "softmax"}), BASE)
+    assert got.model.layer_types == ("softmax", "softmax", "nats") * 2
+
+
+def test_define_by_run_asks_exactly_the_conditional_dimensions() -> None:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    space = load_space("full")
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
+    for _ in range(10):
+        trial = study.ask()
+        DefineByRun(space, BASE)(trial)
+        n = trial.params["n_layers"]
+        assert {k for k in trial.params if k.startswith("layer")} == {
+            f"layer{i}" for i in range(n)}
+        # Replaying the parameters gives the config the searcher's trial stood for.
+        config = space.sample(FixedTrial(trial.params), BASE)
+        assert config.model.n_layers == n
+        study.tell(trial, 0.0)
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("params: {chunk_size: [12, 32]}", "params.chunk_size = 12 is invalid: must be chunk "
+                                       "sizes from (16, 32, 64, 128, 256)"),
+    ("params: {layers: {choices: [nats, mamba]}}", "params.layers.choices"),
+    ("params: {layers: {every: [0]}}", "params.layers.every"),
+    ("params: {layers: [nats, gdn]}", "params.layers"),
+    ("params: {reg_lambda: {low: 0, high: 1, log: true}}", "params.reg_lambda.low = 0"),
+    ("params: {lr: {low: 0.1, high: 0.01}}", "low < high"),
+    ("params: {lr: -1}", "params.lr = -1"),
+    ("params: {chunksize: [16]}", "unknown params key(s) ['chunksize']"),
+    ("parameters: {chunk_size: [16]}", "unknown key(s) ['parameters']"),
+    ("params: {}", "params = {} is invalid"),
+    ("- a list", "must be a mapping"),
+    ("params: {chunk_size: [16, 16]}", "without repeated"),
+    ("params: {n_layers: {low: 1, high: 4}, d_model: [0]}", "params.d_model = 0"),
+    ("params: [unclosed", "not valid YAML"),
+    ("params: {softmax_heads_per_head: [3]}", "does not fit the base config"),
+])
+def test_bad_space_files_are_one_line_errors(tmp_path: Path, text: str, needle: str) -> None:
+    path = tmp_path / "space.yaml"
+    path.write_text(text)
+    with pytest.raises(SpaceError) as info:
+        check_space_fits(load_space(path), BASE)
+    message = str(info.value)
+    assert "\n" not in message and needle in message, message
+    assert message.startswith(f"space file {path}") or "does not fit" in message
+
+
+def test_unknown_space_name() -> None:
+    with pytest.raises(SpaceError, match="neither a built-in space"):
+        load_space("no-such-space")
