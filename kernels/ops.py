@@ -26,10 +26,18 @@ def resolve_backend(backend: Backend, x: torch.Tensor) -> str:
     return backend
 
 
-def _triton():
+def _implementation(backend: Backend, x: torch.Tensor, name: str):
+    """The operator ``name`` of the backend chosen for ``x``.
+
+    Under ``torch.compile`` the Triton path is left to run eagerly: its kernels are fused
+    already, and TorchDynamo tracing into them retypes float arguments (as float64), which
+    the kernels' loop-carried float32 values do not accept.
+    """
+    if resolve_backend(backend, x) == "reference":
+        return getattr(reference, name)
     from . import triton as triton_ops  # imported lazily: Triton is optional on the CPU path
 
-    return triton_ops
+    return torch.compiler.disable(getattr(triton_ops, name))
 
 
 def hybrid_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -38,9 +46,8 @@ def hybrid_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              backend: Backend = "auto",
                              cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax branch of NAtS-L; see :func:`reference.hybrid_softmax_attention`."""
-    impl = _triton() if resolve_backend(backend, q) == "triton" else reference
-    return impl.hybrid_softmax_attention(q, k, v, routes, chunk_size, scale, route_grad=route_grad,
-                                         cu_seqlens=cu_seqlens)
+    impl = _implementation(backend, q, "hybrid_softmax_attention")
+    return impl(q, k, v, routes, chunk_size, scale, route_grad=route_grad, cu_seqlens=cu_seqlens)
 
 
 def hybrid_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -51,7 +58,6 @@ def hybrid_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                             cu_seqlens: torch.Tensor | None = None,
                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Linear branch of NAtS-L; see :func:`reference.hybrid_gated_delta_rule`."""
-    impl = _triton() if resolve_backend(backend, q) == "triton" else reference
-    return impl.hybrid_gated_delta_rule(q, k, v, g, beta, routes, chunk_size, scale,
-                                        initial_state, output_final_state, route_grad=route_grad,
-                                        cu_seqlens=cu_seqlens)
+    impl = _implementation(backend, q, "hybrid_gated_delta_rule")
+    return impl(q, k, v, g, beta, routes, chunk_size, scale, initial_state, output_final_state,
+                route_grad=route_grad, cu_seqlens=cu_seqlens)

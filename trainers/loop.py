@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import signal
 import threading
 import time
@@ -252,6 +253,9 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
             optimizer.zero_grad(set_to_none=True)
             stats = _train_step(forward, ddp, batches.train(step), config, world, device,
                                 autocast)
+            if not math.isfinite(stats.loss):
+                raise ValueError(f"training diverged: the loss is {stats.loss} at step "
+                                 f"{step + 1}; the newest checkpoint is {checkpoint}")
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
             optimizer.step()
             step += 1

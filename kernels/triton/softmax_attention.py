@@ -117,8 +117,11 @@ def _fwd_block(q, k_ptr, v_ptr, cols, load_ok, visible, m_i, l_i, acc, stride_kt
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+    # A row may see no key yet (a tile wider than a chunk, whose first key block holds only
+    # linear-routed chunks): its max is still -inf, and exp2(-inf - -inf) would be NaN.
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_ref[:, None])
+    alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc

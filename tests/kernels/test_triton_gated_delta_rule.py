@@ -181,6 +181,18 @@ def test_bf16_matches_reference_on_gpu(batch: int, seq_len: int, heads: int, chu
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("d_k", "chunk"), [(64, 32), (32, 16), (64, 128)])
+def test_model_head_widths_match_reference_on_gpu(dtype: torch.dtype, d_k: int,
+                                                  chunk: int) -> None:
+    """Head widths and dtypes that small models train with (mqar-small: 64, chunk 32)."""
+    x = gdr_inputs(4, 300, 4, d_k, d_k, dtype=torch.float32, seed=d_k + chunk)
+    routes = routes_with_softmax_fraction(4, num_chunks(300, chunk), 4, 0.5)
+    compare(x, routes, chunk, dtype, "selected", True, True, 1e-2, 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("chunk", [64, 256])
 def test_bf16_varlen_matches_reference_on_gpu(chunk: int) -> None:
     lengths, heads = (1000, 3000, 77, 4096), 8

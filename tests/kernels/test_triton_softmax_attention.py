@@ -205,6 +205,18 @@ def test_bf16_matches_reference_on_gpu(batch: int, seq_len: int, heads: int, chu
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dim", "chunk"), [(32, 32), (16, 16), (32, 128)])
+def test_model_head_widths_match_reference_on_gpu(dtype: torch.dtype, dim: int,
+                                                  chunk: int) -> None:
+    """Head widths and dtypes that small models train with (mqar-small: 32, chunk 32)."""
+    q, k, v = softmax_inputs(4, 300, 4 * PER_HEAD, dim, torch.float32, seed=dim + chunk)
+    routes = routes_with_softmax_fraction(4, num_chunks(300, chunk), 4, 0.5)
+    compare(q, k, v, routes, chunk, dtype, "both", 1e-2, 1e-2, split_heads=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("chunk", [64, 256])
 def test_bf16_varlen_matches_reference_on_gpu(chunk: int) -> None:
     lengths, heads = (1000, 3000, 1, 77, 4096), 4

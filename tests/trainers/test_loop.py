@@ -147,6 +147,12 @@ def test_compiled_training_follows_eager(micro: MicroConfig, tmp_path: Path) -> 
         train(micro(compile=True, seq_len=33, out_dir=str(tmp_path / "odd")))
 
 
+def test_a_diverging_run_stops_with_a_clear_error(micro: MicroConfig) -> None:
+    config = micro(lr=float("1e30"), warmup_steps=0, steps=20)  # the weights blow up
+    with pytest.raises(ValueError, match="training diverged: the loss is nan"):
+        train(config)
+
+
 def test_bf16_autocast_trains_close_to_fp32(micro: MicroConfig, tmp_path: Path) -> None:
     fp32 = train(micro(precision="fp32", out_dir=str(tmp_path / "fp32")))
     bf16 = train(micro(precision="bf16", out_dir=str(tmp_path / "bf16")))
