@@ -144,6 +144,13 @@ def _write_trial(out_dir: Path, record: dict[str, Any]) -> None:
     atomic_write_bytes(out_dir / TRIAL_FILE, json.dumps(record, indent=2).encode())
 
 
+def _read_trial(out_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((out_dir / TRIAL_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
 def _restore_tune_checkpoint(out_dir: Path) -> None:
     """A retried trial: if Tune holds a newer trainer checkpoint than the run folder (say the
     folder was on a node that died), put it back so that the trainer resumes from it."""
@@ -168,7 +175,11 @@ def _restore_tune_checkpoint(out_dir: Path) -> None:
 
 def run_trial(params: dict[str, Any], *, settings: SearchSettings, trials_dir: str) -> None:
     """Ray Tune function trainable: train the trial's config, report after every
-    evaluation (quality, cost, softmax fractions, and the newest trainer checkpoint)."""
+    evaluation (quality, cost, softmax fractions, and the newest trainer checkpoint).
+
+    The last evaluation is reported after the trainer returns, with the model saved: a
+    scheduler that stops the trial at that report (ASHA at ``max_t``, or a rung at the
+    last step) then stops a finished trial."""
     import torch
     from ray import tune
 
@@ -181,18 +192,15 @@ def run_trial(params: dict[str, Any], *, settings: SearchSettings, trials_dir: s
     out_dir.mkdir(parents=True, exist_ok=True)
     _restore_tune_checkpoint(out_dir)
     resume = latest_checkpoint(out_dir) is not None
+    previous = _read_trial(out_dir)  # a retried trial: its last evaluation so far
     record: dict[str, Any] = {"trial_id": trial_id, "params": params, "status": "running",
-                              "step": 0, "steps": config.steps, "metrics": {},
+                              "step": previous.get("step", 0), "steps": config.steps,
+                              "metrics": previous.get("metrics", {}),
                               "model": config.model.to_dict()}
     _write_trial(out_dir, record)
     reported = [latest_checkpoint(out_dir)]
 
-    def on_eval(step: int, metrics: dict[str, float]) -> None:
-        values = {k: v for k, v in metrics.items() if "/head" not in k}
-        values.update(cost_metrics(config.model, metrics, settings.context))
-        values["step"] = step
-        record.update(step=step, metrics=values)
-        _write_trial(out_dir, record)
+    def report(values: dict[str, float]) -> None:
         newest = latest_checkpoint(out_dir)
         if newest is None or newest == reported[0]:
             tune.report(values)
@@ -202,9 +210,20 @@ def run_trial(params: dict[str, Any], *, settings: SearchSettings, trials_dir: s
             shutil.copy2(newest, Path(d) / newest.name)
             tune.report(values, checkpoint=tune.Checkpoint.from_directory(d))
 
+    def on_eval(step: int, metrics: dict[str, float]) -> None:
+        values = {k: v for k, v in metrics.items() if "/head" not in k}
+        values.update(cost_metrics(config.model, metrics, settings.context))
+        values["step"] = step
+        record.update(step=step, metrics=values)
+        _write_trial(out_dir, record)
+        if step < config.steps:
+            report(values)
+
     result = train(config, resume=resume, on_eval=on_eval)
     record.update(status="interrupted" if result.interrupted else "done", step=result.step)
     _write_trial(out_dir, record)
+    if not result.interrupted:
+        report({**record["metrics"], "step": result.step})
 
 
 # --- the driver --------------------------------------------------------------------------

@@ -58,7 +58,11 @@ def _check_consistent(out: Path, metric: str = "loss", cost: str = "flops") -> d
 
 def test_search_writes_consistent_results(tmp_path: Path, local_ray, capsys) -> None:
     out = tmp_path / "search"
-    assert main(["search", *TINY, "--num-trials", "3", "--out", str(out), "--seed", "3"]) == 0
+    # ASHA stops some trials at their last report, which must not cost them their model;
+    # NSGA-II and a journal file for the Optuna study.
+    study = tmp_path / "study.log"
+    assert main(["search", *TINY, "--num-trials", "3", "--out", str(out), "--seed", "3",
+                 "--asha", "--sampler", "nsga2", "--optuna-storage", str(study)]) == 0
     printed = capsys.readouterr().out
     got = _check_consistent(out)
     assert len(got["rows"]) == 3 and all(r["status"] == "done" for r in got["rows"])
@@ -66,6 +70,14 @@ def test_search_writes_consistent_results(tmp_path: Path, local_ray, capsys) -> 
     # The default pick is the front's best quality.
     best = min(got["front"]["trials"], key=lambda t: t["eval/ce"])
     assert f"exported trial {best['trial_id']}" in printed
+    # The Optuna study saw every trial complete, with both objectives.
+    import optuna
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    loaded = optuna.load_study(study_name="nats-search",
+                               storage=JournalStorage(JournalFileBackend(str(study))))
+    assert [t.state.name for t in loaded.trials] == ["COMPLETE"] * 3
+    assert all(len(t.values) == 2 for t in loaded.trials)
     # Every trial logged to TensorBoard under the one logdir.
     for row in got["rows"]:
         assert list((out / "trials" / row["trial_id"]).glob("events.out.tfevents.*"))
@@ -84,18 +96,20 @@ def test_search_writes_consistent_results(tmp_path: Path, local_ray, capsys) -> 
 def test_interrupted_search_resumes(tmp_path: Path, local_ray, capsys) -> None:
     out = tmp_path / "search"
     stop = threading.Event()
+    finished: dict[str, int] = {}
 
     def interrupt_after_first_trial() -> None:
+        # One trial at a time: the second starts once Tune has the first one finished.
         # Tune stops the experiment on SIGUSR1 (as on Ctrl-C) and saves its state.
         while not stop.is_set():
-            for path in (out / "trials").glob("*/search_trial.json"):
-                try:
+            records = list((out / "trials").glob("*/search_trial.json"))
+            if len(records) >= 2:
+                for path in records:
                     if json.loads(path.read_text())["status"] == "done":
-                        os.kill(os.getpid(), signal.SIGUSR1)
-                        return
-                except (json.JSONDecodeError, KeyError):
-                    pass
-            time.sleep(0.2)
+                        finished[path.parent.name] = (path.parent / "model").stat().st_mtime_ns
+                os.kill(os.getpid(), signal.SIGUSR1)
+                return
+            time.sleep(0.1)
 
     watcher = threading.Thread(target=interrupt_after_first_trial, daemon=True)
     watcher.start()
@@ -108,12 +122,11 @@ def test_interrupted_search_resumes(tmp_path: Path, local_ray, capsys) -> None:
     assert status == 130
     assert "nats search --resume" in capsys.readouterr().err
     assert not (out / "export").exists()
-    first = {p.parent.name: p.stat().st_mtime_ns for p in (out / "trials").glob("*/model")}
-    assert len(first) >= 1
+    assert len(finished) == 1
 
     assert main(["search", "--resume", str(out)]) == 0
     got = _check_consistent(out, metric="acc", cost="kv")
     assert len(got["rows"]) == 3 and all(r["status"] == "done" for r in got["rows"])
     # Finished trials were kept, not trained again.
-    for trial_id, mtime in first.items():
+    for trial_id, mtime in finished.items():
         assert (out / "trials" / trial_id / "model").stat().st_mtime_ns == mtime
