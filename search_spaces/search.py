@@ -273,6 +273,9 @@ def _tuner(settings: SearchSettings, out: Path) -> Any:
 
     metrics, modes = settings.keys_and_modes
     base = settings.base_config()
+    # Keeping one Tune checkpoint a trial forces a state snapshot per report; at a report
+    # every few seconds Tune warns about that on every trial. It is cheap here.
+    os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     searcher = OptunaSearch(DefineByRun(settings.search_space(), base),
                             metric=metrics if len(metrics) > 1 else metrics[0],
