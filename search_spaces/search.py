@@ -13,7 +13,9 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -317,12 +319,21 @@ def _ray_init(address: str | None) -> bool:
 
 
 def _with_ray(address: str | None, fit: Any) -> Any:
+    """Run ``fit`` on a Ray session (started here unless one is running).
+
+    Tune installs its own SIGINT handler and leaves it behind; the caller's is put back,
+    so Ctrl-C in a later training run (same process) reaches the trainer again.
+    """
     import ray
 
     started = _ray_init(address)
+    main_thread = threading.current_thread() is threading.main_thread()
+    sigint = signal.getsignal(signal.SIGINT)
     try:
         return fit()
     finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, sigint)
         if started:
             ray.shutdown()
 

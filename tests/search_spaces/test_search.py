@@ -61,8 +61,10 @@ def test_search_writes_consistent_results(tmp_path: Path, local_ray, capsys) -> 
     # ASHA stops some trials at their last report, which must not cost them their model;
     # NSGA-II and a journal file for the Optuna study.
     study = tmp_path / "study.log"
+    sigint = signal.getsignal(signal.SIGINT)
     assert main(["search", *TINY, "--num-trials", "3", "--out", str(out), "--seed", "3",
                  "--asha", "--sampler", "nsga2", "--optuna-storage", str(study)]) == 0
+    assert signal.getsignal(signal.SIGINT) is sigint  # Tune's handler does not stay behind
     printed = capsys.readouterr().out
     got = _check_consistent(out)
     assert len(got["rows"]) == 3 and all(r["status"] == "done" for r in got["rows"])
