@@ -153,6 +153,13 @@ def _read_trial(out_dir: Path) -> dict[str, Any]:
         return {}
 
 
+def _checkpoint_step(path: Path | None) -> int:
+    """The step a trial (re)starts from: its newest checkpoint's, 0 for a fresh start."""
+    from nats.trainers.checkpoint import read_checkpoint_meta
+
+    return 0 if path is None else int(read_checkpoint_meta(path)["step"])
+
+
 def _restore_tune_checkpoint(out_dir: Path) -> None:
     """A retried trial: if Tune holds a newer trainer checkpoint than the run folder (say the
     folder was on a node that died), put it back so that the trainer resumes from it."""
@@ -193,12 +200,13 @@ def run_trial(params: dict[str, Any], *, settings: SearchSettings, trials_dir: s
     torch.set_num_threads(max(1, int(settings.cpus_per_trial)))
     out_dir.mkdir(parents=True, exist_ok=True)
     _restore_tune_checkpoint(out_dir)
-    resume = latest_checkpoint(out_dir) is not None
+    start = latest_checkpoint(out_dir)
     previous = _read_trial(out_dir)  # a retried trial: its last evaluation so far
     record: dict[str, Any] = {"trial_id": trial_id, "params": params, "status": "running",
                               "step": previous.get("step", 0), "steps": config.steps,
                               "metrics": previous.get("metrics", {}),
-                              "model": config.model.to_dict()}
+                              "model": config.model.to_dict(), "pid": os.getpid(),
+                              "resumed_from": _checkpoint_step(start)}
     _write_trial(out_dir, record)
     reported = [latest_checkpoint(out_dir)]
 
@@ -221,7 +229,7 @@ def run_trial(params: dict[str, Any], *, settings: SearchSettings, trials_dir: s
         if step < config.steps:
             report(values)
 
-    result = train(config, resume=resume, on_eval=on_eval)
+    result = train(config, resume=start is not None, on_eval=on_eval)
     record.update(status="interrupted" if result.interrupted else "done", step=result.step)
     _write_trial(out_dir, record)
     if not result.interrupted:

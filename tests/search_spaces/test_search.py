@@ -95,6 +95,35 @@ def test_search_writes_consistent_results(tmp_path: Path, local_ray, capsys) -> 
     assert "already holds a search" in capsys.readouterr().err
 
 
+def test_a_trial_whose_worker_dies_resumes_from_its_checkpoint(tmp_path: Path, local_ray,
+                                                              capsys) -> None:
+    out = tmp_path / "search"
+    killed: list[int] = []
+
+    def kill_worker_after_a_checkpoint() -> None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            for path in (out / "trials").glob("*/search_trial.json"):
+                record = json.loads(path.read_text())
+                saved = path.parent / "checkpoints" / "step_00000100.safetensors"
+                if saved.exists() and record["status"] == "running":
+                    os.kill(record["pid"], signal.SIGKILL)
+                    killed.append(record["pid"])
+                    return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=kill_worker_after_a_checkpoint, daemon=True)
+    watcher.start()
+    status = main(["search", "--steps", "300", "--num-trials", "1", "--out", str(out)])
+    watcher.join()
+    assert killed and status == 0
+    (record_file,) = (out / "trials").glob("*/search_trial.json")
+    record = json.loads(record_file.read_text())
+    assert record["status"] == "done" and record["step"] == 300
+    assert record["pid"] != killed[0] and record["resumed_from"] >= 100
+    assert _rows(out)[0]["status"] == "done"
+
+
 def test_interrupted_search_resumes(tmp_path: Path, local_ray, capsys) -> None:
     out = tmp_path / "search"
     stop = threading.Event()
