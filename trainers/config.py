@@ -109,11 +109,14 @@ class TrainConfig:
                   f"a divisor of batch_size={self.batch_size} (the batch is split into them)")
         if self.precision not in PRECISIONS:
             _fail("precision", self.precision, f"one of {PRECISIONS}")
-        if not isinstance(self.compile, bool):
-            _fail("compile", self.compile, "true or false")
-        if self.init_from is not None and (not isinstance(self.init_from, str)
-                                           or not self.init_from):
-            _fail("init_from", self.init_from, "null or a saved model folder")
+        for name in ("compile", "streaming"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, getattr(self, name), "true or false")
+        for name, allowed in (("init_from", "null or a saved model folder"),
+                              ("tokenizer", "null (bytes) or a folder with tokenizer.json")):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                _fail(name, value, allowed)
         if not isinstance(self.out_dir, str) or not self.out_dir:
             _fail("out_dir", self.out_dir, "a non-empty path")
         if not isinstance(self.data_paths, tuple) or not all(
@@ -128,11 +131,6 @@ class TrainConfig:
                 _fail(name, getattr(self, name), "a non-empty string")
         if self.data_format not in DATA_FORMATS:
             _fail("data_format", self.data_format, f"one of {DATA_FORMATS}")
-        if self.tokenizer is not None and (not isinstance(self.tokenizer, str)
-                                           or not self.tokenizer):
-            _fail("tokenizer", self.tokenizer, "null (bytes) or a folder with tokenizer.json")
-        if not isinstance(self.streaming, bool):
-            _fail("streaming", self.streaming, "true or false")
 
     def _check_task_fits_model(self) -> None:
         vocab = self.model.vocab_size

@@ -134,11 +134,8 @@ def _train_step(forward: Callable, ddp: DistributedDataParallel | None, batch: B
     present = [f for f in fracs if f is not None]
     summed = world.sum(torch.cat([totals, *present]).detach())
     ce, reg_mean = float(summed[0]) / global_tokens, float(summed[1]) / global_rows
-    attn_frac: list[torch.Tensor | None] = []
-    offset = 2
-    for f in fracs:
-        attn_frac.append(None if f is None else summed[offset: offset + f.numel()] / world.size)
-        offset += 0 if f is None else f.numel()
+    summed_fracs = iter(summed[2:].split([f.numel() for f in present]))
+    attn_frac = [None if f is None else next(summed_fracs) / world.size for f in fracs]
     return _StepStats(ce + reg_mean, ce, reg_mean, attn_frac)
 
 
@@ -218,7 +215,8 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
     forward = ddp or model
     if config.compile:
         forward = torch.compile(forward)
-    config_json = json.dumps(config.to_dict(), indent=2)
+    config_dict = config.to_dict()
+    config_json = json.dumps(config_dict, indent=2)
     if world.is_main:
         atomic_write_bytes(out_dir / "train_config.json", config_json.encode())
     log = RunLog(out_dir, step, enabled=world.is_main)
@@ -228,7 +226,7 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
     def checkpoint_now() -> Path | None:
         if not world.is_main:
             return None
-        return save_checkpoint(out_dir, step, model, optimizer, config.to_dict(),
+        return save_checkpoint(out_dir, step, model, optimizer, config_dict,
                                config.keep_checkpoints,
                                data_position=step * config.batch_size)
 
@@ -240,61 +238,63 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
     started, first_step = time.perf_counter(), step
     tokens_per_step = config.batch_size * config.seq_len
     model.train()
-    with stop.installed(), tqdm(total=config.steps, initial=step, dynamic_ncols=True,
-                                disable=None if world.is_main else True) as bar:
-        n_params = sum(p.numel() for p in model.parameters())
-        if world.is_main:
-            tqdm.write(f"nats: training {n_params:,} parameters on '{config.task}' ({device}"
-                       f"{f' x {world.size} processes' if world.size > 1 else ''}), "
-                       f"steps {step} -> {config.steps}, writing to {out_dir}")
-        while step < config.steps and not stop.requested:
-            lr = lr_at(step, config)
-            set_lr(optimizer, lr)
-            optimizer.zero_grad(set_to_none=True)
-            stats = _train_step(forward, ddp, batches.train(step), config, world, device,
-                                autocast)
-            if not math.isfinite(stats.loss):
-                raise ValueError(f"training diverged: the loss is {stats.loss} at step "
-                                 f"{step + 1}; the newest checkpoint is {checkpoint}")
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-            optimizer.step()
-            step += 1
-            losses.append(stats.loss)
-            rate = tokens_per_step * (step - first_step) / (time.perf_counter() - started)
-            bar.update(1)
-            bar.set_postfix(_postfix(stats, lr, rate))
+    try:
+        with stop.installed(), tqdm(total=config.steps, initial=step, dynamic_ncols=True,
+                                    disable=None if world.is_main else True) as bar:
+            n_params = sum(p.numel() for p in model.parameters())
+            if world.is_main:
+                tqdm.write(f"nats: training {n_params:,} parameters on '{config.task}' ({device}"
+                           f"{f' x {world.size} processes' if world.size > 1 else ''}), "
+                           f"steps {step} -> {config.steps}, writing to {out_dir}")
+            while step < config.steps and not stop.requested:
+                lr = lr_at(step, config)
+                set_lr(optimizer, lr)
+                optimizer.zero_grad(set_to_none=True)
+                stats = _train_step(forward, ddp, batches.train(step), config, world, device,
+                                    autocast)
+                if not math.isfinite(stats.loss):
+                    raise ValueError(f"training diverged: the loss is {stats.loss} at step "
+                                     f"{step + 1}; the newest checkpoint is {checkpoint}")
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+                optimizer.step()
+                step += 1
+                losses.append(stats.loss)
+                rate = tokens_per_step * (step - first_step) / (time.perf_counter() - started)
+                bar.update(1)
+                bar.set_postfix(_postfix(stats, lr, rate))
 
-            if step % config.log_interval == 0:
-                log.scalars({"train/loss": stats.loss, "train/ce": stats.ce,
-                             "train/reg": stats.reg, "train/lr": lr,
-                             "train/grad_norm": float(grad_norm), "train/tokens_per_s": rate,
-                             **frac_scalars("train", stats.attn_frac)}, step)
-            if step % config.eval_interval == 0 or step == config.steps:
-                result = evaluate(model, eval_batches, device, autocast,
-                                  batches.bytes_per_token)
-                eval_metrics = result.metrics
-                log.evaluation(result, step)
-                if world.is_main:
-                    tqdm.write(_eval_line(step, eval_metrics))
-                if on_eval is not None:
-                    on_eval(step, eval_metrics)
-            if step % config.checkpoint_interval == 0:
-                checkpoint = checkpoint_now()
-                saved_step = step
+                if step % config.log_interval == 0:
+                    log.scalars({"train/loss": stats.loss, "train/ce": stats.ce,
+                                 "train/reg": stats.reg, "train/lr": lr,
+                                 "train/grad_norm": float(grad_norm), "train/tokens_per_s": rate,
+                                 **frac_scalars("train", stats.attn_frac)}, step)
+                if step % config.eval_interval == 0 or step == config.steps:
+                    result = evaluate(model, eval_batches, device, autocast,
+                                      batches.bytes_per_token)
+                    eval_metrics = result.metrics
+                    log.evaluation(result, step)
+                    if world.is_main:
+                        tqdm.write(_eval_line(step, eval_metrics))
+                    if on_eval is not None:
+                        on_eval(step, eval_metrics)
+                if step % config.checkpoint_interval == 0:
+                    checkpoint = checkpoint_now()
+                    saved_step = step
 
-    if saved_step != step:
-        checkpoint = checkpoint_now()
-    interrupted = step < config.steps
-    if interrupted:
-        if world.is_main:
-            tqdm.write(f"nats: interrupted at step {step}; checkpoint saved to {checkpoint}")
-    else:
-        log.hparams(config.to_dict(), eval_metrics)
-        if world.is_main:
-            model.save_pretrained(out_dir / "model")
-            tqdm.write(f"nats: done, {step} steps in {time.perf_counter() - started:.1f} s; "
-                       f"model saved to {out_dir / 'model'}")
-    log.close()
+        if saved_step != step:
+            checkpoint = checkpoint_now()
+        interrupted = step < config.steps
+        if interrupted:
+            if world.is_main:
+                tqdm.write(f"nats: interrupted at step {step}; checkpoint saved to {checkpoint}")
+        else:
+            log.hparams(config_dict, eval_metrics)
+            if world.is_main:
+                model.save_pretrained(out_dir / "model")
+                tqdm.write(f"nats: done, {step} steps in {time.perf_counter() - started:.1f} s; "
+                           f"model saved to {out_dir / 'model'}")
+    finally:
+        log.close()  # also when the run diverges or a second Ctrl-C stops it
     return TrainResult(model, step, losses, eval_metrics, interrupted, checkpoint)
 
 

@@ -151,6 +151,10 @@ def test_a_diverging_run_stops_with_a_clear_error(micro: MicroConfig) -> None:
     config = micro(lr=float("1e30"), warmup_steps=0, steps=20)  # the weights blow up
     with pytest.raises(ValueError, match="training diverged: the loss is nan"):
         train(config)
+    # The events of the steps before it are on disk: the writer was closed on the way out.
+    events = EventAccumulator(config.out_dir, size_guidance={"scalars": 0})
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")][:1] == [1]
 
 
 def test_bf16_autocast_trains_close_to_fp32(micro: MicroConfig, tmp_path: Path) -> None:
