@@ -74,6 +74,23 @@ class MQARTask:
         labels.scatter_(1, query_pos + 1, values)
         return input_ids, labels
 
+    @staticmethod
+    def relevant_positions(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Bool ``[B, T]``: where the context states what the queries ask.
+
+        For every query (a labelled value ``v`` at ``p`` after its key ``k`` at ``p - 1``),
+        every earlier occurrence of the bigram ``k v`` (both tokens) ending before ``p - 1``.
+        Read from the batch itself, so it holds for any pair placement; with random filler
+        a chance repeat of ``k v`` is marked too (the model cannot tell it apart either).
+        """
+        rows, pos = (labels != IGNORE_INDEX).nonzero(as_tuple=True)
+        keys, values = input_ids[rows, pos - 1], input_ids[rows, pos]
+        ids = input_ids[rows]  # [Q, T]: each query's own row
+        starts = torch.arange(ids.shape[1] - 1, device=ids.device)
+        hit = ((ids[:, :-1] == keys[:, None]) & (ids[:, 1:] == values[:, None])
+               & (starts[None] + 1 < (pos - 1)[:, None]))
+        return _mark_spans(hit, rows, input_ids.shape, width=2)
+
 
 @dataclass(frozen=True)
 class NeedleTask:
@@ -131,3 +148,26 @@ class NeedleTask:
         labels = torch.full_like(input_ids, IGNORE_INDEX)
         labels[:, -self.VALUE_DIGITS:] = value
         return input_ids, labels
+
+    def relevant_positions(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Bool ``[B, T]``: the needle's tokens in the haystack (key and value), not the
+        question at the end. Found by matching the question (the last ``key_len + 7``
+        tokens) inside the body, so distractors with other keys are not marked."""
+        del labels  # the question is always the row's last key_len + 7 tokens
+        n = self.key_len + self.VALUE_DIGITS
+        body, question = input_ids[:, :-n], input_ids[:, -n:]
+        hit = (body.unfold(1, n, 1) == question[:, None, :]).all(-1)  # [B, T - 2n + 1]
+        rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+        return _mark_spans(hit, rows, input_ids.shape, width=n)
+
+
+def _mark_spans(starts: torch.Tensor, rows: torch.Tensor, shape: torch.Size,
+                width: int) -> torch.Tensor:
+    """Bool ``shape``: positions ``s .. s + width - 1`` of row ``rows[i]`` for every true
+    ``starts[i, s]`` (rows may repeat: their spans are OR-ed)."""
+    marks = torch.zeros(shape, dtype=torch.long, device=starts.device)
+    for offset in range(width):
+        span = torch.zeros(starts.shape[0], shape[1], dtype=torch.long, device=starts.device)
+        span[:, offset: offset + starts.shape[1]] = starts.long()
+        marks.index_add_(0, rows, span)
+    return marks > 0

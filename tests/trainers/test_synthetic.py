@@ -111,3 +111,56 @@ def test_needle_works_at_the_smallest_vocab_and_length() -> None:
     assert set(depth.tolist()) == {0, 1}
     again = task.sample(64, torch.Generator().manual_seed(1))
     assert torch.equal(x, again[0]) and torch.equal(y, again[1])
+
+
+def test_mqar_relevant_positions_by_hand() -> None:
+    # Row 0: pairs (3,9) (4,8), filler, query 4 -> 8 at 6-7, query 3 -> 9 at 8-9.
+    # Row 1: the pair (5,9) also occurs by chance at 4-5; both occurrences are marked, the
+    # query itself (6-7) is not, and the unqueried pair (2,8) at 0-1 is not.
+    x = torch.tensor([[3, 9, 4, 8, 1, 1, 4, 8, 3, 9],
+                      [2, 8, 5, 9, 5, 9, 5, 9, 1, 1]])
+    y = torch.full_like(x, IGNORE)
+    y[0, 7], y[0, 9], y[1, 7] = 8, 9, 9
+    mask = MQARTask.relevant_positions(x, y)
+    assert mask.dtype == torch.bool and mask.shape == x.shape
+    assert mask.nonzero().tolist() == [[0, 0], [0, 1], [0, 2], [0, 3],
+                                       [1, 2], [1, 3], [1, 4], [1, 5]]
+
+
+def test_mqar_relevant_positions_are_the_context_pairs() -> None:
+    vocab, pairs = 64, 5
+    x, y = MQARTask(vocab, 48, pairs).sample(8, torch.Generator().manual_seed(2))
+    mask = MQARTask.relevant_positions(x, y)
+    # Every key is queried, so the whole context (2 * pairs tokens) is relevant; beyond it
+    # only a chance repeat of a key-value bigram in the random filler could be.
+    assert mask[:, :2 * pairs].all()
+    for i, j in mask[:, 2 * pairs:].nonzero().tolist():
+        j += 2 * pairs
+        pair = dict(zip(x[i, 0:2 * pairs:2].tolist(), x[i, 1:2 * pairs:2].tolist(),
+                        strict=True))
+        assert pair.get(int(x[i, j])) == x[i, j + 1] or pair.get(int(x[i, j - 1])) == x[i, j]
+
+
+def test_needle_relevant_positions_by_hand() -> None:
+    task = NeedleTask(vocab_size=16, seq_len=28, key_len=2)
+    # Digits 0-9, keys 10-12, filler 13-15. Needle key (11, 12), value 1234567; row 1 also
+    # holds a distractor with key (10, 12) and the same value, which is not marked.
+    needle = [11, 12, 1, 2, 3, 4, 5, 6, 7]
+    distractor = [10, 12, 1, 2, 3, 4, 5, 6, 7]
+    x = torch.tensor([[*needle, *[14] * 10, *needle],
+                      [15, *distractor, *needle, *needle]])
+    y = torch.full_like(x, IGNORE)
+    y[:, -7:] = torch.tensor([1, 2, 3, 4, 5, 6, 7])
+    mask = task.relevant_positions(x, y)
+    assert mask[0].nonzero().flatten().tolist() == list(range(0, 9))
+    assert mask[1].nonzero().flatten().tolist() == list(range(10, 19))
+
+
+def test_needle_relevant_positions_match_the_sampled_depth() -> None:
+    task = NeedleTask(40, 60, 3)
+    x, y = task.sample(32, torch.Generator().manual_seed(4))
+    mask = task.relevant_positions(x, y)
+    assert mask.sum(1).tolist() == [10] * 32 and not mask[:, -10:].any()
+    depth = (x[:, :-10] < 25).int().argmax(1)  # first key or digit token of the body
+    for i, d in enumerate(depth.tolist()):
+        assert mask[i].nonzero().flatten().tolist() == list(range(d, d + 10))
