@@ -35,8 +35,9 @@ class SoftmaxLayerCache:
 
 
 @dataclass
-class DeltaLayerCache:
-    """Gated DeltaNet: the conv window and the float32 state ``[B, H, Dk, Dv]``."""
+class LinearLayerCache:
+    """Plain linear layer: the conv window and the float32 state ``[B, H, Dk, Dv]``
+    (``Dv + 1`` for linear attention, whose last column is the normaliser)."""
 
     conv: torch.Tensor
     state: torch.Tensor
@@ -52,7 +53,9 @@ class NatsLayerCache:
     ``store_k/v`` ``[B, H, r, M, C, D]`` hold per routing head its softmax chunks in
     order (the first ``store_chunks[b, h]`` chunks are real); ``chunk_k/v``
     ``[B, H*r, n, D]`` the unfinished chunk; ``pool_sum`` ``[B, D_model]`` the scorer's
-    running sum over it and ``chunk_log_decay`` ``[B, H]`` its summed gates.
+    running sum over it and ``chunk_log_decay`` ``[B, H]`` its summed log decay (zeros
+    for operators without a decay gate). ``state`` and ``snapshot`` are the linear
+    operator's (``Dv + 1`` columns for linear attention: the normaliser restores with it).
     """
 
     conv: torch.Tensor
@@ -89,7 +92,7 @@ class NatsLayerCache:
         self.chunk_k, self.chunk_v = self.chunk_k[:, :, :0], self.chunk_v[:, :, :0]
 
 
-LayerCache = SoftmaxLayerCache | DeltaLayerCache | NatsLayerCache
+LayerCache = SoftmaxLayerCache | LinearLayerCache | NatsLayerCache
 
 
 @dataclass

@@ -15,6 +15,10 @@ from typing import Any, NoReturn
 from nats.kernels.reference.chunks import CHUNK_SIZES
 
 LAYER_TYPES = ("nats", "gdn", "softmax")
+"""A "gdn" layer is the plain linear layer; its operator is ``linear_op`` (the type keeps
+the name it had when Gated DeltaNet was the only one, so saved configs still load)."""
+LINEAR_OPS = ("gated_deltanet", "deltanet", "gated_linear_attention", "linear_attention")
+"""Operators of the linear branch of NAtS-L layers and of plain linear layers."""
 SAMPLERS = ("argmax", "gumbel")
 LAYER_LISTS = {"softmax_layers": "softmax", "linear_layers": "gdn", "hybrid_layers": "nats"}
 """Keys of the layer-index lists that ``to_dict`` derives from ``layer_types``, so that a
@@ -31,7 +35,8 @@ class NatsConfig:
 
     ``n_heads`` routing heads each own one linear head of width ``head_dim_k`` /
     ``head_dim_v`` and ``softmax_heads_per_head`` softmax heads that split those
-    channels (NATSL.md). ``layer_types`` gives each layer's mixer.
+    channels (NATSL.md). ``layer_types`` gives each layer's mixer; ``linear_op`` the
+    linear-attention operator of every NAtS-L linear branch and every "gdn" layer.
     """
 
     vocab_size: int = 256
@@ -54,6 +59,7 @@ class NatsConfig:
     tie_embeddings: bool = True
     initializer_range: float = 0.02
     backend: str = "auto"
+    linear_op: str = "gated_deltanet"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
@@ -73,6 +79,8 @@ class NatsConfig:
             _fail("chunk_size", self.chunk_size, f"one of {CHUNK_SIZES}")
         if self.sampler not in SAMPLERS:
             _fail("sampler", self.sampler, f"one of {SAMPLERS}")
+        if self.linear_op not in LINEAR_OPS:
+            _fail("linear_op", self.linear_op, f"one of {LINEAR_OPS}")
         from nats.kernels.ops import BACKENDS
 
         if self.backend not in BACKENDS:

@@ -1,4 +1,4 @@
-"""`NatsForCausalLM`: pre-norm blocks of a mixer (NAtS-L, Gated DeltaNet or softmax) and a
+"""`NatsForCausalLM`: pre-norm blocks of a mixer (NAtS-L, plain linear or softmax) and a
 SwiGLU MLP, with save/load through safetensors and cached decoding."""
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from torch import nn
 from .atomic_write import atomic_write_bytes
 from .cache import HybridCache
 from .config import NatsConfig
-from .layers.gated_deltanet import GatedDeltaNet
+from .layers.linear_layer import LinearLayer
 from .layers.nats_attention import LayerRouting, NatsAttention
 from .layers.norms import RMSNorm
 from .layers.routing import RouteOverride
 from .layers.softmax_attention import SoftmaxAttention
 
-MIXERS = {"nats": NatsAttention, "gdn": GatedDeltaNet, "softmax": SoftmaxAttention}
+MIXERS = {"nats": NatsAttention, "gdn": LinearLayer, "softmax": SoftmaxAttention}
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 IGNORE_INDEX = -100
 

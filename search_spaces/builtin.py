@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from nats.config import LINEAR_OPS
 from nats.trainers import TrainConfig, preset
 
 BUILTIN_SPACES: dict[str, dict[str, Any]] = {
@@ -29,13 +30,14 @@ BUILTIN_SPACES: dict[str, dict[str, Any]] = {
     },
     "full": {
         "description": "depth (per-layer types follow it), width, chunk size, softmax heads "
-                       "per routing head, lambda and learning rate",
+                       "per routing head, linear operator, lambda and learning rate",
         "params": {
             "n_layers": [2, 3, 4],
             "d_model": [64, 128],
             "chunk_size": [16, 32, 64, 128, 256],
             "layers": {"choices": ["nats", "gdn", "softmax"]},
             "softmax_heads_per_head": [1, 2, 4],
+            "linear_op": list(LINEAR_OPS),
             "reg_lambda": {"low": 0.001, "high": 0.3, "log": True},
             "lr": {"low": 0.001, "high": 0.01, "log": True},
         },

@@ -11,6 +11,7 @@ A space is a mapping, checked on load (a bad key or value raises :class:`SpaceEr
       layers: {choices: [nats, gdn, softmax]}        # every layer picks its type ...
       # layers: {every: [1, 2], kind: nats, other: [gdn, softmax]}   # ... or a pattern
       softmax_heads_per_head: [1, 2, 4]
+      linear_op: [gated_deltanet, gated_linear_attention]   # the linear operator
       reg_lambda: {low: 0.001, high: 0.3, log: true}  # a range: float, or int if both are
       lr: {low: 0.001, high: 0.01, log: true}
       d_model: 64                      # a single value: fixed for every trial
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nats.config import LAYER_TYPES, ConfigError
+from nats.config import LAYER_TYPES, LINEAR_OPS, ConfigError
 from nats.kernels.reference.chunks import CHUNK_SIZES
 from nats.trainers import TrainConfig
 
@@ -40,7 +41,7 @@ class SpaceError(ValueError):
 
 
 MODEL_PARAMS = ("chunk_size", "n_layers", "d_model", "n_heads", "softmax_heads_per_head",
-                "reg_lambda")
+                "linear_op", "reg_lambda")
 """``params`` keys that set a ``NatsConfig`` field."""
 TRAIN_PARAMS = ("lr", "weight_decay", "warmup_steps", "batch_size", "steps")
 """``params`` keys that set a ``TrainConfig`` field."""
@@ -52,6 +53,8 @@ INT_PARAMS = ("n_layers", "d_model", "n_heads", "softmax_heads_per_head", "warmu
               "batch_size", "steps")
 """Positive integers (``warmup_steps`` may be 0)."""
 FLOAT_PARAMS = ("reg_lambda", "lr", "weight_decay")
+CHOICE_PARAMS = {"chunk_size": ("chunk sizes", CHUNK_SIZES), "linear_op": ("operators", LINEAR_OPS)}
+"""Keys whose values come from a fixed set: a list of them, never a range."""
 
 
 @dataclass(frozen=True)
@@ -165,9 +168,10 @@ def _number(x: Any) -> bool:
 
 def _check_value(where: str, key: str, value: Any) -> None:
     """One value of ``params.<key>``; raises naming the key and what it may be."""
-    if key == "chunk_size":
-        if value not in CHUNK_SIZES or isinstance(value, bool):
-            raise _err(where, f"params.{key}", value, f"chunk sizes from {CHUNK_SIZES}")
+    if key in CHOICE_PARAMS:
+        what, allowed = CHOICE_PARAMS[key]
+        if isinstance(value, bool) or value not in allowed:
+            raise _err(where, f"params.{key}", value, f"{what} from {allowed}")
     elif key in INT_PARAMS:
         least = 0 if key == "warmup_steps" else 1
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -195,9 +199,10 @@ def _dim(where: str, key: str, spec: Any) -> Dim:
             raise _err(where, f"params.{key}", dict(spec),
                        "a range {low: X, high: Y, log: true|false}")
         low, high, log = spec["low"], spec["high"], spec.get("log", False)
-        if key == "chunk_size":
+        if key in CHOICE_PARAMS:
+            what, allowed = CHOICE_PARAMS[key]
             raise _err(where, f"params.{key}", dict(spec),
-                       f"a list of chunk sizes from {CHUNK_SIZES}, not a range")
+                       f"a list of {what} from {allowed}, not a range")
         for v in (low, high):
             _check_value(where, key, v)
         if not low < high:

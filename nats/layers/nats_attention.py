@@ -1,7 +1,8 @@
 """The NAtS-L supernet layer (NATSL.md): shared projections, a chunk scorer, both branches.
 
 Each finished chunk is routed, per routing head, to softmax attention (its keys stay
-in the KV cache) or to the gated delta rule (it is folded into the state); every query
+in the KV cache) or to the linear operator (``linear_op``, the gated delta rule by
+default; the chunk is folded into its state); every query
 sees its own chunk through both. The two branch outputs are merged per token and
 softmax head by learned weights.
 """
@@ -16,10 +17,10 @@ from torch import nn
 
 from nats.cache import NatsLayerCache
 from nats.config import NatsConfig
-from nats.kernels import SOFTMAX, hybrid_gated_delta_rule, hybrid_softmax_attention
-from nats.kernels.decode import gated_delta_rule_step, hybrid_attention_decode
+from nats.kernels import SOFTMAX, hybrid_softmax_attention
+from nats.kernels.decode import hybrid_attention_decode
 
-from .gated_deltanet import DeltaGates, all_linear_routes, linear_heads
+from .linear_ops import LinearOperator, TokenGates
 from .norms import RMSNorm, rms_norm, upcast
 from .projections import GatedOutput, QKVProjection
 from .rotary import apply_rotary
@@ -59,7 +60,8 @@ class NatsAttention(nn.Module):
                                                h * cfg.head_dim_v), cfg.conv_size)
         self.q_norm = RMSNorm(cfg.softmax_head_dim_k, cfg.norm_eps)
         self.k_norm = RMSNorm(cfg.softmax_head_dim_k, cfg.norm_eps)
-        self.gates = DeltaGates(cfg.d_model, h)
+        self.linear = LinearOperator.from_config(cfg)
+        self.gates = self.linear.gates(cfg.d_model)
         self.scorer = ChunkScorer(cfg.d_model, h)
         self.mix = nn.Linear(h * cfg.head_dim_k, 2 * h * r, bias=False)
         self.out = GatedOutput(cfg.d_model, h * r, cfg.softmax_head_dim_v)
@@ -114,19 +116,19 @@ class NatsAttention(nn.Module):
         q, k, v = qkv
         routes, probs = self._route(chunk_mean_pool(x, c), 0)
         qs, ks, vs = self._softmax_heads(q, k, v, 0)
-        ql, kl, vl = linear_heads(q, k, v, self.cfg.n_heads)
-        g, beta = self.gates(x)
+        ql, kl, vl = self.linear.features(q, k, v)
+        gates = self.gates(x)
         o_sm = hybrid_softmax_attention(qs, ks, vs, routes, c, backend=cfg.backend)
         if cache_conv is None:
-            o_la, _ = hybrid_gated_delta_rule(ql, kl, vl, g, beta, routes, c, backend=cfg.backend)
+            o_la, _ = self.linear.parallel(ql, kl, vl, gates, routes)
             cache = None
         else:
-            o_la, state, snapshot = self._prefill_linear(ql, kl, vl, g, beta, routes)
+            o_la, state, snapshot = self._prefill_linear(ql, kl, vl, gates, routes)
             done = seq_len // c * c  # tokens in finished chunks
             store_k, store_v, store_chunks = self._pack_store(ks, vs, routes, done // c)
             cache = NatsLayerCache(
                 conv=cache_conv, state=state, snapshot=snapshot,
-                chunk_log_decay=g[:, done:].sum(1), chunk_k=ks[:, done:].transpose(1, 2),
+                chunk_log_decay=gates.g[:, done:].sum(1), chunk_k=ks[:, done:].transpose(1, 2),
                 chunk_v=vs[:, done:].transpose(1, 2), pool_sum=upcast(x[:, done:]).sum(1),
                 store_k=store_k, store_v=store_v, store_chunks=store_chunks)
         routing = LayerRouting(routes=routes, probs=probs, attn_frac=softmax_fraction(routes),
@@ -135,30 +137,29 @@ class NatsAttention(nn.Module):
 
     # -- prefill: the cache after a prompt -------------------------------------------------
 
-    def _prefill_linear(self, q, k, v, g, beta, routes):
+    def _prefill_linear(self, q, k, v, gates: TokenGates, routes: torch.Tensor):
         """Linear branch split at the last chunk boundary: ``(o, state, snapshot)``.
 
         Complete chunks run with their routes; the unfinished tail runs on from their
         final state (the snapshot) as if it wrote: its route is known only once it ends.
         """
-        c, backend = self.cfg.chunk_size, self.cfg.backend
-        batch, seq_len, heads, d_k = q.shape
+        c = self.cfg.chunk_size
+        seq_len = q.shape[1]
         split = seq_len // c * c
-        snapshot = torch.zeros(batch, heads, d_k, v.shape[-1], device=q.device)
+        snapshot = self.linear.initial_state(q.shape[0], q.device)
         outs = []
         if split:
-            o, snapshot = hybrid_gated_delta_rule(
-                q[:, :split], k[:, :split], v[:, :split], g[:, :split], beta[:, :split],
-                routes[:, : split // c], c, initial_state=snapshot, output_final_state=True,
-                backend=backend)
+            head = slice(0, split)
+            o, snapshot = self.linear.parallel(
+                q[:, head], k[:, head], v[:, head], gates.window(head), routes[:, : split // c],
+                initial_state=snapshot, output_final_state=True)
             outs.append(o)
         state = snapshot
         if split < seq_len:
             tail = slice(split, seq_len)
-            o, state = hybrid_gated_delta_rule(
-                q[:, tail], k[:, tail], v[:, tail], g[:, tail], beta[:, tail],
-                all_linear_routes(batch, seq_len - split, c, heads, q.device), c,
-                initial_state=snapshot, output_final_state=True, backend=backend)
+            o, state = self.linear.parallel(q[:, tail], k[:, tail], v[:, tail],
+                                            gates.window(tail), initial_state=snapshot,
+                                            output_final_state=True)
             outs.append(o)
         return torch.cat(outs, 1), state, snapshot
 
@@ -195,11 +196,10 @@ class NatsAttention(nn.Module):
         cfg = self.cfg
         (q, k, v), cache.conv = self.qkv.step(x, cache.conv)
         qs, ks, vs = self._softmax_heads(q, k, v, position)
-        ql, kl, vl = linear_heads(q, k, v, self.cfg.n_heads)
-        g, beta = self.gates(x)
-        o_la, cache.state = gated_delta_rule_step(cache.state, ql[:, 0], kl[:, 0], vl[:, 0],
-                                                  g[:, 0], beta[:, 0], cfg.head_dim_k**-0.5)
-        cache.chunk_log_decay = cache.chunk_log_decay + g[:, 0]
+        ql, kl, vl = self.linear.features(q, k, v)
+        gates = self.gates(x).window(0)
+        o_la, cache.state = self.linear.step(cache.state, ql[:, 0], kl[:, 0], vl[:, 0], gates)
+        cache.chunk_log_decay = cache.chunk_log_decay + gates.g
         cache.chunk_k = torch.cat([cache.chunk_k, ks.transpose(1, 2)], 2)
         cache.chunk_v = torch.cat([cache.chunk_v, vs.transpose(1, 2)], 2)
         cache.pool_sum = cache.pool_sum + upcast(x[:, 0])
@@ -211,7 +211,8 @@ class NatsAttention(nn.Module):
         return y
 
     def _close_chunk(self, cache: NatsLayerCache, chunk: int) -> None:
-        """Score the finished chunk; SM keeps its keys and restores the decayed snapshot."""
+        """Score the finished chunk; SM keeps its keys and restores the snapshot decayed by
+        the chunk's summed log gates (zero, so undecayed, for operators without a decay)."""
         pooled = (cache.pool_sum / self.cfg.chunk_size).to(self.scorer.proj.weight.dtype)
         routes, _ = self._route(pooled[:, None], chunk)
         is_sm = routes[:, 0, :, SOFTMAX] > 0.5  # [B, H]

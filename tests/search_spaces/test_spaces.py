@@ -8,6 +8,7 @@ import optuna
 import pytest
 from optuna.trial import FixedTrial
 
+from nats.config import LINEAR_OPS
 from nats.search_spaces import BUILTIN_SPACES, DefineByRun, SpaceError, load_space, search_base
 from nats.search_spaces.spaces import check_space_fits, space_from_dict
 
@@ -33,10 +34,11 @@ def test_fixed_trial_gives_the_expected_config() -> None:
 def test_per_layer_choices_follow_the_depth() -> None:
     space = load_space("full")
     params = {"n_layers": 3, "d_model": 128, "chunk_size": 64, "softmax_heads_per_head": 4,
-              "reg_lambda": 0.01, "lr": 0.002, "layer0": "softmax", "layer1": "nats",
-              "layer2": "gdn"}
+              "linear_op": "deltanet", "reg_lambda": 0.01, "lr": 0.002, "layer0": "softmax",
+              "layer1": "nats", "layer2": "gdn"}
     got = space.sample(FixedTrial(params), BASE)
     assert got.model.layer_types == ("softmax", "nats", "gdn")
+    assert got.model.linear_op == "deltanet"
     assert (got.model.n_layers, got.model.d_model, got.model.chunk_size) == (3, 128, 64)
     assert got.model.softmax_heads_per_head == 4 and got.lr == 0.002
     two = space.sample(FixedTrial({**params, "n_layers": 2}), BASE)  # layer2 is not asked
@@ -50,6 +52,24 @@ def test_every_k_pattern() -> None:
         "every": [2, 3], "kind": "nats", "other": ["softmax", "gdn"]}}})
     got = space.sample(FixedTrial({"n_layers": 6, "every": 3, "other_layers": "softmax"}), BASE)
     assert got.model.layer_types == ("softmax", "softmax", "nats") * 2
+
+
+def test_linear_op_dimension_validates_and_samples_every_operator() -> None:
+    space = space_from_dict({"params": {"linear_op": list(LINEAR_OPS),
+                                        "layers": {"choices": ["nats", "gdn"]}}})
+    assert space.dim("linear_op").choices == LINEAR_OPS
+    check_space_fits(space, BASE)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    seen = set()
+    for _ in range(40):
+        trial = study.ask()
+        config = space.sample(trial, BASE)
+        assert config.model.linear_op == trial.params["linear_op"]
+        seen.add(config.model.linear_op)
+        study.tell(trial, 0.0)
+    assert seen == set(LINEAR_OPS)
+    assert "linear_op" in {d.name for d in load_space("full").dims}
 
 
 def test_define_by_run_asks_exactly_the_conditional_dimensions() -> None:
@@ -85,6 +105,10 @@ def test_define_by_run_asks_exactly_the_conditional_dimensions() -> None:
     ("params: {n_layers: {low: 1, high: 4}, d_model: [0]}", "params.d_model = 0"),
     ("params: [unclosed", "not valid YAML"),
     ("params: {softmax_heads_per_head: [3]}", "does not fit the base config"),
+    ("params: {linear_op: [deltanet, mamba]}", "params.linear_op = 'mamba' is invalid: must be "
+                                               "operators from ('gated_deltanet'"),
+    ("params: {linear_op: {low: 1, high: 2}}", "params.linear_op = {'low': 1, 'high': 2} is "
+                                               "invalid: must be a list of operators"),
 ])
 def test_bad_space_files_are_one_line_errors(tmp_path: Path, text: str, needle: str) -> None:
     path = tmp_path / "space.yaml"

@@ -1,0 +1,179 @@
+"""The linear-attention operators a layer can run (``NatsConfig.linear_op``).
+
+One place knows, per operator, its gates, how q and k enter it, the parallel (chunked,
+routed) call, the state it carries and the one-token decode step, so that the NAtS-L
+layer's linear branch and the plain linear layer ("gdn") run the same operator:
+
+==========================  =================  ==============  ======================
+operator                    gates              q, k            state ``[B, H, Dk, .]``
+==========================  =================  ==============  ======================
+``gated_deltanet``          decay g, beta      L2-normalised   ``Dv``
+``deltanet``                beta (g = 0)       L2-normalised   ``Dv``
+``gated_linear_attention``  decay g            L2-normalised   ``Dv``
+``linear_attention``        none (g = 0)       raw (ELU+1)     ``Dv + 1`` (normaliser)
+==========================  =================  ==============  ======================
+
+Gated linear attention L2-normalises q and k like the delta rules, for three reasons:
+its state is a decayed sum of ``k v^T`` with no delta correction to bound it, so unit
+keys bound the state by ``|v| / (1 - a)`` whatever the projections learn; scores
+``q.k`` in ``[-1, 1]`` keep the decay, not the feature norms, in charge of how far back
+a head reads (as in Gated DeltaNet, where the paper pairs the scalar decay with unit
+keys); and a search that swaps the operator then changes the recurrence only, not the
+scale of what goes into it. Linear attention passes raw q and k: its ELU+1 feature map
+(applied inside the operator) needs signed inputs, and its normaliser already removes
+the scale of q.
+
+Every operator reports a per-token log decay ``g`` (zeros where it has no decay gate),
+so the hybrid cache restores a softmax chunk's snapshot by ``exp(sum g)`` for all of
+them (``exp(0) = 1`` without a gate).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nats.config import NatsConfig
+from nats.kernels import hybrid_gated_delta_rule, num_chunks
+from nats.kernels.decode import gated_delta_rule_step
+
+from .norms import l2_norm, upcast
+from .routing import forced_routes
+
+DECAY_OPS = ("gated_deltanet", "gated_linear_attention")
+"""Operators with a data-dependent decay gate."""
+DELTA_OPS = ("gated_deltanet", "deltanet")
+"""Operators with the delta rule's write strength beta (and its correction)."""
+NORMALISER_OPS = ("linear_attention",)
+"""Operators whose state carries a normaliser column (``Dv + 1``)."""
+
+
+class TokenGates(NamedTuple):
+    """Per-token gates ``[B, T, H]``: log decay ``g`` (zeros without a decay gate) and the
+    delta rule's write strength ``beta`` (None for operators without one)."""
+
+    g: torch.Tensor
+    beta: torch.Tensor | None
+
+    def window(self, index: slice | int) -> TokenGates:
+        """The gates of tokens ``index`` (an int drops the time axis)."""
+        return TokenGates(self.g[:, index], None if self.beta is None else self.beta[:, index])
+
+
+class LinearGates(nn.Module):
+    """The gate parameters of one operator.
+
+    Decay ``g = -exp(A_log) softplus(W_a x + dt_bias)`` (Mamba2's parameterisation) and
+    write strength ``beta = sigmoid(W_b x)``; an operator has the ones it uses. The
+    parameter names are those of the Gated DeltaNet layers saved before the operator
+    became a choice, so their checkpoints load unchanged.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, decay: bool, write: bool) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        if decay:
+            self.a_proj = nn.Linear(d_model, n_heads, bias=False)
+            # Decay rates spread over heads and time steps in [1e-3, 1e-1], as in Mamba2/GDN.
+            self.A_log = nn.Parameter(torch.log(torch.linspace(1.0, 16.0, n_heads)))
+            dt = torch.exp(torch.linspace(math.log(1e-3), math.log(1e-1), n_heads))
+            self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+            self.A_log._no_weight_decay = True
+            self.dt_bias._no_weight_decay = True
+        if write:
+            self.b_proj = nn.Linear(d_model, n_heads, bias=False)
+
+    def forward(self, x: torch.Tensor) -> TokenGates:
+        if hasattr(self, "a_proj"):
+            g = -upcast(self.A_log).exp() * F.softplus(upcast(self.a_proj(x)) + self.dt_bias)
+        else:
+            g = upcast(x).new_zeros(*x.shape[:-1], self.n_heads)
+        beta = torch.sigmoid(upcast(self.b_proj(x))) if hasattr(self, "b_proj") else None
+        return TokenGates(g, beta)
+
+
+def all_linear_routes(batch: int, seq_len: int, chunk_size: int, heads: int,
+                      device: torch.device) -> torch.Tensor:
+    """Every chunk writes to the state: what the plain (unrouted) operator is."""
+    return forced_routes("linear", batch, 0, num_chunks(seq_len, chunk_size), heads, device)
+
+
+@dataclass(frozen=True)
+class LinearOperator:
+    """The operator ``name`` over ``heads`` linear heads of width ``d_k`` / ``d_v``."""
+
+    name: str
+    heads: int
+    d_k: int
+    d_v: int
+    chunk_size: int
+    backend: str = "auto"
+
+    @classmethod
+    def from_config(cls, cfg: NatsConfig) -> LinearOperator:
+        return cls(cfg.linear_op, cfg.n_heads, cfg.head_dim_k, cfg.head_dim_v, cfg.chunk_size,
+                   cfg.backend)
+
+    @property
+    def scale(self) -> float:
+        return self.d_k**-0.5
+
+    @property
+    def state_width(self) -> int:
+        """Columns of the state: ``d_v``, plus the normaliser for linear attention."""
+        return self.d_v + (self.name in NORMALISER_OPS)
+
+    def gates(self, d_model: int) -> LinearGates:
+        return LinearGates(d_model, self.heads, decay=self.name in DECAY_OPS,
+                           write=self.name in DELTA_OPS)
+
+    def features(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """``[B, T, H*D]`` projections as heads ``[B, T, H, D]``, q and k as the operator
+        takes them (module docstring)."""
+        shape = (*q.shape[:2], self.heads, -1)
+        q, k, v = q.view(shape), k.view(shape), v.view(shape)
+        if self.name in NORMALISER_OPS:
+            return q, k, v
+        return l2_norm(q), l2_norm(k), v
+
+    def initial_state(self, batch: int, device: torch.device) -> torch.Tensor:
+        """The empty float32 state ``[B, H, Dk, state_width]``."""
+        return torch.zeros(batch, self.heads, self.d_k, self.state_width, device=device)
+
+    def parallel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: TokenGates,
+                 routes: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
+                 output_final_state: bool = False,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The chunked operator over heads from :meth:`features`; ``routes`` ``[B, N, H, 2]``
+        (None: every chunk writes, the plain operator). Returns ``(o, final_state)``."""
+        if routes is None:
+            routes = all_linear_routes(q.shape[0], q.shape[1], self.chunk_size, self.heads,
+                                       q.device)
+        common = dict(initial_state=initial_state, output_final_state=output_final_state,
+                      backend=self.backend)
+        if self.name in DELTA_OPS:
+            return hybrid_gated_delta_rule(q, k, v, gates.g, gates.beta, routes, self.chunk_size,
+                                           self.scale, **common)
+        from nats.kernels import hybrid_gated_linear_attention, hybrid_linear_attention
+
+        if self.name in DECAY_OPS:
+            return hybrid_gated_linear_attention(q, k, v, gates.g, routes, self.chunk_size,
+                                                 self.scale, **common)
+        return hybrid_linear_attention(q, k, v, routes, self.chunk_size, **common)
+
+    def step(self, state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             gates: TokenGates) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token: q, k ``[B, H, Dk]``, v ``[B, H, Dv]``, gates of that token ``[B, H]``.
+        Returns ``(o [B, H, Dv], new_state)``."""
+        if self.name in DELTA_OPS:
+            return gated_delta_rule_step(state, q, k, v, gates.g, gates.beta, self.scale)
+        from nats.kernels.decode import gated_linear_attention_step, linear_attention_step
+
+        if self.name in DECAY_OPS:
+            return gated_linear_attention_step(state, q, k, v, gates.g, self.scale)
+        return linear_attention_step(state, q, k, v)
