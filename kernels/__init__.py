@@ -4,7 +4,14 @@ The public operators take a ``backend`` (``"auto"``, ``"reference"``, ``"triton"
 The plain baselines and the token-by-token oracles come from :mod:`.reference`.
 """
 
-from .ops import BACKENDS, hybrid_gated_delta_rule, hybrid_softmax_attention, resolve_backend
+from .ops import (
+    BACKENDS,
+    hybrid_gated_delta_rule,
+    hybrid_gated_linear_attention,
+    hybrid_linear_attention,
+    hybrid_softmax_attention,
+    resolve_backend,
+)
 from .reference import (
     CHUNK_SIZES,
     LINEAR,
@@ -13,8 +20,14 @@ from .reference import (
     causal_softmax_attention_recurrent,
     gated_delta_rule,
     gated_delta_rule_recurrent,
+    gated_linear_attention,
+    gated_linear_attention_recurrent,
     hybrid_gated_delta_rule_recurrent,
+    hybrid_gated_linear_attention_recurrent,
+    hybrid_linear_attention_recurrent,
     hybrid_softmax_attention_recurrent,
+    linear_attention,
+    linear_attention_recurrent,
     num_chunks,
 )
 
@@ -27,10 +40,18 @@ __all__ = [
     "causal_softmax_attention_recurrent",
     "gated_delta_rule",
     "gated_delta_rule_recurrent",
+    "gated_linear_attention",
+    "gated_linear_attention_recurrent",
     "hybrid_gated_delta_rule",
     "hybrid_gated_delta_rule_recurrent",
+    "hybrid_gated_linear_attention",
+    "hybrid_gated_linear_attention_recurrent",
+    "hybrid_linear_attention",
+    "hybrid_linear_attention_recurrent",
     "hybrid_softmax_attention",
     "hybrid_softmax_attention_recurrent",
+    "linear_attention",
+    "linear_attention_recurrent",
     "num_chunks",
     "resolve_backend",
 ]

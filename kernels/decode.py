@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .reference.chunks import compute_dtype
+from .reference.linear_attention import elu_feature_map
 
 
 def gated_delta_rule_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -23,6 +24,35 @@ def gated_delta_rule_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     new_state = decayed + k[..., :, None] * delta[..., None, :]
     return scale * torch.einsum("bhk,bhkv->bhv", q, new_state), new_state
 
+
+def gated_linear_attention_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                                v: torch.Tensor, g: torch.Tensor, scale: float,
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of gated linear attention.
+
+    state ``[B, H, Dk, Dv]`` (float32), q, k ``[B, H, Dk]``, v ``[B, H, Dv]``, g ``[B, H]``.
+    Returns ``(o [B, H, Dv], new_state)`` with ``S' = exp(g) S + k v^T``, ``o = scale S'^T q``.
+    """
+    q, k, v, g = (t.to(state.dtype) for t in (q, k, v, g))
+    new_state = g.exp()[..., None, None] * state + k[..., :, None] * v[..., None, :]
+    return scale * torch.einsum("bhk,bhkv->bhv", q, new_state), new_state
+
+
+def linear_attention_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                          v: torch.Tensor, eps: float = 1e-6,
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of ELU+1 linear attention.
+
+    state ``[B, H, Dk, Dv + 1]`` (float32; columns ``:Dv`` are ``S``, the last is the
+    normaliser ``z``), q, k ``[B, H, Dk]`` raw (phi is applied here), v ``[B, H, Dv]``.
+    Returns ``(o [B, H, Dv], new_state)``: the gated step with ``g = 0``, scale 1 and the
+    values ``[v, 1]``, then ``o = S'^T phi(q) / (z'^T phi(q) + eps)``.
+    """
+    values = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], -1)
+    no_decay = torch.zeros(q.shape[:2], dtype=state.dtype, device=q.device)
+    out, new_state = gated_linear_attention_step(state, elu_feature_map(q), elu_feature_map(k),
+                                                 values, no_decay, 1.0)
+    return (out[..., :-1] / (out[..., -1:] + eps)).to(v.dtype), new_state
 
 def decode_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                      scale: float, valid: list[torch.Tensor | None]) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 
 from . import reference
 from .reference.chunks import RouteGrad
+from .reference.linear_attention import normalised_linear_attention
 
 Backend = Literal["auto", "reference", "triton"]
 BACKENDS = ("auto", "reference", "triton")
@@ -61,3 +62,33 @@ def hybrid_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     impl = _implementation(backend, q, "hybrid_gated_delta_rule")
     return impl(q, k, v, g, beta, routes, chunk_size, scale, initial_state, output_final_state,
                 route_grad=route_grad, cu_seqlens=cu_seqlens)
+
+
+def hybrid_gated_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                  g: torch.Tensor, routes: torch.Tensor, chunk_size: int,
+                                  scale: float | None = None,
+                                  initial_state: torch.Tensor | None = None,
+                                  output_final_state: bool = False, *,
+                                  route_grad: RouteGrad = "selected", backend: Backend = "auto",
+                                  cu_seqlens: torch.Tensor | None = None,
+                                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Routed gated linear attention; see :func:`reference.hybrid_gated_linear_attention`."""
+    impl = _implementation(backend, q, "hybrid_gated_linear_attention")
+    return impl(q, k, v, g, routes, chunk_size, scale, initial_state, output_final_state,
+                route_grad=route_grad, cu_seqlens=cu_seqlens)
+
+
+def hybrid_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            routes: torch.Tensor, chunk_size: int,
+                            initial_state: torch.Tensor | None = None,
+                            output_final_state: bool = False, *, eps: float = 1e-6,
+                            route_grad: RouteGrad = "selected", backend: Backend = "auto",
+                            cu_seqlens: torch.Tensor | None = None,
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Routed ELU+1 linear attention, state ``[B, H, Dk, Dv + 1]`` (last column: the
+    normaliser); see :func:`reference.hybrid_linear_attention`. Every backend runs the same
+    composition over its own gated linear attention."""
+    gla = _implementation(backend, q, "hybrid_gated_linear_attention")
+    return normalised_linear_attention(gla, q, k, v, routes, chunk_size, initial_state,
+                                       output_final_state, eps=eps, route_grad=route_grad,
+                                       cu_seqlens=cu_seqlens)

@@ -7,6 +7,7 @@ import math
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 CHUNK_SIZES = (16, 32, 64, 128, 256)
 """Routing chunk sizes the operators support (powers of two, as NATSL.md defines)."""
@@ -102,3 +103,64 @@ def weighted_exp(shifted: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """References compute in float32, or float64 when given float64 (for gradcheck)."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def pad_to_chunks(x: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, T, H, ...]`` -> ``[B, H, N, C, ...]`` in ``dtype``, zero-padded at the end.
+
+    Zero padding is neutral for every linear operator: a padded token has ``g = 0`` (no
+    decay), ``beta = 0`` or ``k = 0`` (no write), so the final state is unchanged.
+    """
+    batch, seq_len, heads = x.shape[:3]
+    n = num_chunks(seq_len, chunk_size)
+    pad = [0, 0] * (x.dim() - 2) + [0, n * chunk_size - seq_len]
+    x = F.pad(x.to(dtype), pad).movedim(2, 1)
+    return x.reshape(batch, heads, n, chunk_size, *x.shape[3:])
+
+
+def check_token_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       gates: dict[str, torch.Tensor], initial_state: torch.Tensor | None,
+                       ) -> tuple[int, int, int, int]:
+    """Shapes of a linear operator's inputs; returns ``(B, T, H, Dk)``.
+
+    ``gates`` are the per-token scalars (``g``, ``beta``) of shape ``[B, T, H]``.
+    """
+    if q.dim() != 4 or q.shape != k.shape:
+        raise ValueError(f"q and k must both be [B, T, H, Dk]; got {list(q.shape)} and "
+                         f"{list(k.shape)}")
+    batch, seq_len, heads, d_k = q.shape
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must be [B, T, H, Dv] matching q {list(q.shape)}; got {list(v.shape)}")
+    for name, x in gates.items():
+        if x.shape != q.shape[:3]:
+            raise ValueError(f"{name} must be [B, T, H] = {list(q.shape[:3])}, got {list(x.shape)}")
+    if initial_state is not None and initial_state.shape != (batch, heads, d_k, v.shape[-1]):
+        raise ValueError(f"initial_state must be [B, H, Dk, Dv] = "
+                         f"{[batch, heads, d_k, v.shape[-1]]}, got {list(initial_state.shape)}")
+    return batch, seq_len, heads, d_k
+
+
+def run_packed(op, tokens: tuple[torch.Tensor, ...], routes: torch.Tensor, chunk_size: int,
+               initial_state: torch.Tensor | None, output_final_state: bool,
+               cu_seqlens: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A packed batch (``cu_seqlens``, batch of 1) through the dense operator ``op``, one
+    sequence at a time: obviously right, and the same for every linear operator.
+
+    ``op(*tokens, routes, chunk_size, initial_state=..., output_final_state=..., **kwargs)``;
+    ``tokens`` are ``[1, T_total, H, ...]``, the states ``[n_seq, H, ...]``.
+    """
+    lengths = packed_lengths(cu_seqlens, tokens[0].shape[0], tokens[0].shape[1])
+    counts = packed_chunk_counts(routes, lengths, chunk_size)
+    if initial_state is not None and initial_state.shape[0] != len(lengths):
+        raise ValueError(f"initial_state must have one state per sequence ({len(lengths)}), "
+                         f"got {list(initial_state.shape)}")
+    token_parts = [x.split(lengths, 1) for x in tokens]
+    route_parts = routes.split(counts, 1)
+    outs, states = [], []
+    for i in range(len(lengths)):
+        h0 = None if initial_state is None else initial_state[i : i + 1]
+        o, state = op(*(p[i] for p in token_parts), route_parts[i], chunk_size,
+                      initial_state=h0, output_final_state=output_final_state, **kwargs)
+        outs.append(o)
+        states.append(state)
+    return torch.cat(outs, 1), torch.cat(states) if output_final_state else None

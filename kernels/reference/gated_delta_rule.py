@@ -18,18 +18,18 @@ so every chunk decays the carried state, and only the write is weighted by the r
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .chunks import (
     LINEAR,
     RouteGrad,
     check_chunk_size,
     check_routes,
+    check_token_inputs,
     compute_dtype,
     num_chunks,
-    packed_chunk_counts,
-    packed_lengths,
+    pad_to_chunks,
     route_weight,
+    run_packed,
 )
 
 
@@ -53,9 +53,11 @@ def hybrid_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     with the sequences' chunks concatenated, and states are ``[n_seq, H, Dk, Dv]``.
     """
     if cu_seqlens is not None:
-        return _varlen(q, k, v, g, beta, routes, chunk_size, scale, initial_state,
-                       output_final_state, route_grad, cu_seqlens)
-    batch, seq_len, heads, d_k = _check_inputs(q, k, v, g, beta, initial_state)
+        return run_packed(hybrid_gated_delta_rule, (q, k, v, g, beta), routes, chunk_size,
+                          initial_state, output_final_state, cu_seqlens, scale=scale,
+                          route_grad=route_grad)
+    batch, seq_len, heads, d_k = check_token_inputs(q, k, v, {"g": g, "beta": beta},
+                                                    initial_state)
     check_chunk_size(chunk_size)
     check_routes(routes, batch, seq_len, chunk_size, heads)
     d_v = v.shape[-1]
@@ -63,15 +65,7 @@ def hybrid_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     dt = compute_dtype(q)
     n, c = num_chunks(seq_len, chunk_size), chunk_size
 
-    def chunked(x: torch.Tensor) -> torch.Tensor:
-        # [B, T, H, ...] -> [B, H, N, C, ...], zero-padded at the end. Padding has g = 0
-        # and beta = 0: it neither decays nor writes, so the final state is unchanged.
-        x = x.to(dt)
-        pad = [0, 0] * (x.dim() - 2) + [0, n * c - seq_len]
-        x = F.pad(x, pad).movedim(2, 1)
-        return x.reshape(batch, heads, n, c, *x.shape[3:])
-
-    q, k, v, g, beta = chunked(q * scale), chunked(k), chunked(v), chunked(g), chunked(beta)
+    q, k, v, g, beta = (pad_to_chunks(x, c, dt) for x in (q * scale, k, v, g, beta))
     gc = g.cumsum(-1)
     incl = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
     strict = incl.tril(-1)
@@ -99,30 +93,6 @@ def hybrid_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     return o.to(v.dtype), state if output_final_state else None
 
 
-def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-            beta: torch.Tensor, routes: torch.Tensor, chunk_size: int, scale: float | None,
-            initial_state: torch.Tensor | None, output_final_state: bool,
-            route_grad: RouteGrad, cu_seqlens: torch.Tensor,
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The packed batch, one sequence at a time through the dense path (obviously right)."""
-    lengths = packed_lengths(cu_seqlens, q.shape[0], q.shape[1])
-    counts = packed_chunk_counts(routes, lengths, chunk_size)
-    if initial_state is not None and initial_state.shape[0] != len(lengths):
-        raise ValueError(f"initial_state must have one state per sequence ({len(lengths)}), "
-                         f"got {list(initial_state.shape)}")
-    token_parts = [x.split(lengths, 1) for x in (q, k, v, g, beta)]
-    route_parts = routes.split(counts, 1)
-    outs, states = [], []
-    for i in range(len(lengths)):
-        h0 = None if initial_state is None else initial_state[i : i + 1]
-        o, state = hybrid_gated_delta_rule(*(p[i] for p in token_parts), route_parts[i],
-                                           chunk_size, scale, h0, output_final_state,
-                                           route_grad=route_grad)
-        outs.append(o)
-        states.append(state)
-    return torch.cat(outs, 1), torch.cat(states) if output_final_state else None
-
-
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, scale: float | None = None,
                      initial_state: torch.Tensor | None = None, output_final_state: bool = False,
@@ -135,20 +105,3 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return hybrid_gated_delta_rule(q, k, v, g, beta, routes, chunk_size, scale, initial_state,
                                    output_final_state)
 
-
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                  beta: torch.Tensor, initial_state: torch.Tensor | None,
-                  ) -> tuple[int, int, int, int]:
-    if q.dim() != 4 or q.shape != k.shape:
-        raise ValueError(f"q and k must both be [B, T, H, Dk]; got {list(q.shape)} and "
-                         f"{list(k.shape)}")
-    batch, seq_len, heads, d_k = q.shape
-    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"v must be [B, T, H, Dv] matching q {list(q.shape)}; got {list(v.shape)}")
-    for name, x in (("g", g), ("beta", beta)):
-        if x.shape != q.shape[:3]:
-            raise ValueError(f"{name} must be [B, T, H] = {list(q.shape[:3])}, got {list(x.shape)}")
-    if initial_state is not None and initial_state.shape != (batch, heads, d_k, v.shape[-1]):
-        raise ValueError(f"initial_state must be [B, H, Dk, Dv] = "
-                         f"{[batch, heads, d_k, v.shape[-1]]}, got {list(initial_state.shape)}")
-    return batch, seq_len, heads, d_k

@@ -10,6 +10,7 @@ references' ``route_grad="both"``).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .chunks import LINEAR, SOFTMAX, compute_dtype, weighted_exp
 
@@ -94,22 +95,76 @@ def hybrid_gated_delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch
                                       initial_state: torch.Tensor | None = None,
                                       output_final_state: bool = False,
                                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Linear branch, token by token.
+    """Linear branch, token by token (see :func:`_routed_scan`)."""
+    dt = compute_dtype(q)
+    k, v, beta = (x.to(dt) for x in (k, v, beta))
 
-    Within a chunk every token runs the delta rule on from the chunk-start state. When
-    the chunk ends, the carried state is ``decayed + z[LA] * (written - decayed)``, with
-    ``decayed`` the chunk-start state times the chunk's total gate.
+    def step(state: torch.Tensor, t: int, g_t: torch.Tensor) -> torch.Tensor:
+        return _delta_step(state, k[:, t], v[:, t], g_t, beta[:, t])
+    return _routed_scan(step, q, v, g, routes, chunk_size, scale, initial_state,
+                        output_final_state)
+
+
+def _gla_step(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+              ) -> torch.Tensor:
+    """``S <- a S + k v^T`` for ``S`` of shape ``[B, H, Dk, Dv]``."""
+    return g.exp()[..., None, None] * state + k[..., :, None] * v[..., None, :]
+
+
+def gated_linear_attention_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                     g: torch.Tensor, scale: float | None = None,
+                                     initial_state: torch.Tensor | None = None,
+                                     output_final_state: bool = False,
+                                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated linear attention, token by token (no routes)."""
+    out_dtype, dt = v.dtype, compute_dtype(q)
+    q, k, v, g = (x.to(dt) for x in (q, k, v, g))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    state = _initial_state(q, v, initial_state)
+    outs = []
+    for t in range(q.shape[1]):
+        state = _gla_step(state, k[:, t], v[:, t], g[:, t])
+        outs.append(scale * torch.einsum("bhk,bhkv->bhv", q[:, t], state))
+    return torch.stack(outs, 1).to(out_dtype), state if output_final_state else None
+
+
+def hybrid_gated_linear_attention_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                            g: torch.Tensor, routes: torch.Tensor,
+                                            chunk_size: int, scale: float | None = None,
+                                            initial_state: torch.Tensor | None = None,
+                                            output_final_state: bool = False,
+                                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Routed gated linear attention, token by token (see :func:`_routed_scan`)."""
+    dt = compute_dtype(q)
+    k, v = k.to(dt), v.to(dt)
+
+    def step(state: torch.Tensor, t: int, g_t: torch.Tensor) -> torch.Tensor:
+        return _gla_step(state, k[:, t], v[:, t], g_t)
+    return _routed_scan(step, q, v, g, routes, chunk_size, scale, initial_state,
+                        output_final_state)
+
+
+def _routed_scan(step, q: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                 routes: torch.Tensor, chunk_size: int, scale: float | None,
+                 initial_state: torch.Tensor | None, output_final_state: bool,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A gated recurrence ``state = step(state, t, g_t)`` read out as ``scale S_t^T q_t``,
+    with NATSL.md's routes.
+
+    Within a chunk every token steps on from the chunk-start state. When the chunk ends,
+    the carried state is ``decayed + z[LA] * (stepped - decayed)``, with ``decayed`` the
+    chunk-start state times the chunk's total gate.
     """
     out_dtype, dt = v.dtype, compute_dtype(q)
-    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
+    q, g = q.to(dt), g.to(dt)
     z_la = routes[..., LINEAR].to(dt)
     seq_len = q.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    state = chunk_start = _initial_state(q, v, initial_state)
+    state = chunk_start = _initial_state(q, v.to(dt), initial_state)
     chunk_log_decay = torch.zeros_like(g[:, 0])
     outs = []
     for t in range(seq_len):
-        state = _delta_step(state, k[:, t], v[:, t], g[:, t], beta[:, t])
+        state = step(state, t, g[:, t])
         chunk_log_decay = chunk_log_decay + g[:, t]
         outs.append(scale * torch.einsum("bhk,bhkv->bhv", q[:, t], state))
         if t % chunk_size == chunk_size - 1 or t == seq_len - 1:
@@ -117,4 +172,53 @@ def hybrid_gated_delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch
             z = z_la[:, t // chunk_size][..., None, None]
             state = chunk_start = decayed + z * (state - decayed)
             chunk_log_decay = torch.zeros_like(chunk_log_decay)
+    return torch.stack(outs, 1).to(out_dtype), state if output_final_state else None
+
+
+def linear_attention_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               initial_state: torch.Tensor | None = None,
+                               output_final_state: bool = False, eps: float = 1e-6,
+                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """ELU+1 linear attention with its normaliser, token by token, as Katharopoulos et al.
+    write it: ``S_t = S_{t-1} + phi(k_t) v_t^T``, ``z_t = z_{t-1} + phi(k_t)``,
+    ``o_t = phi(q_t)^T S_t / (phi(q_t)^T z_t + eps)``. The state in and out is
+    ``[B, H, Dk, Dv + 1]``: ``S``, then ``z`` as the last column."""
+    return _linear_attention_scan(q, k, v, None, 0, initial_state, output_final_state, eps)
+
+
+def hybrid_linear_attention_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                      routes: torch.Tensor, chunk_size: int,
+                                      initial_state: torch.Tensor | None = None,
+                                      output_final_state: bool = False, eps: float = 1e-6,
+                                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Routed ELU+1 linear attention, token by token: ``S`` and ``z`` both restart each
+    chunk from the chunk-start values and carry the chunk's writes on only where it went
+    to linear (no gate, so nothing decays)."""
+    return _linear_attention_scan(q, k, v, routes, chunk_size, initial_state,
+                                  output_final_state, eps)
+
+
+def _linear_attention_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           routes: torch.Tensor | None, chunk_size: int,
+                           initial_state: torch.Tensor | None, output_final_state: bool,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    out_dtype, dt = v.dtype, compute_dtype(q)
+    q, k, v = F.elu(q.to(dt)) + 1, F.elu(k.to(dt)) + 1, v.to(dt)
+    batch, seq_len, heads, d_k = q.shape
+    s = torch.zeros(batch, heads, d_k, v.shape[-1], dtype=dt, device=q.device)
+    z = torch.zeros(batch, heads, d_k, dtype=dt, device=q.device)
+    if initial_state is not None:
+        s, z = initial_state[..., :-1].to(dt), initial_state[..., -1].to(dt)
+    s_start, z_start = s, z
+    outs = []
+    for t in range(seq_len):
+        s = s + k[:, t, :, :, None] * v[:, t, :, None, :]
+        z = z + k[:, t]
+        numerator = torch.einsum("bhk,bhkv->bhv", q[:, t], s)
+        outs.append(numerator / ((q[:, t] * z).sum(-1, keepdim=True) + eps))
+        if routes is not None and (t % chunk_size == chunk_size - 1 or t == seq_len - 1):
+            w = routes[:, t // chunk_size, :, LINEAR].to(dt)
+            s = s_start = s_start + w[..., None, None] * (s - s_start)
+            z = z_start = z_start + w[..., None] * (z - z_start)
+    state = torch.cat([s, z[..., None]], -1)
     return torch.stack(outs, 1).to(out_dtype), state if output_final_state else None
