@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 from nats.config import ConfigError, NatsConfig, fail, reject_unknown_fields
 
 from .checkpoint import latest_checkpoint, read_checkpoint_meta
-from .synthetic import NeedleTask
+from .synthetic import CopyTask, MQARTask, NeedleTask
 
 TASKS = ("copy", "mqar", "needle", "text")
 """``copy``, ``mqar`` and ``needle`` are generated; ``text`` is a local corpus (default: the
@@ -63,7 +63,14 @@ class TrainConfig:
     out_dir: str = "runs/default"
     copy_symbols: int = 16
     mqar_pairs: int = 8
+    mqar_placement: str = "start"
+    mqar_filler: str = "random"
+    mqar_queries: str = "power-law"
+    """MQAR layout knobs (see :class:`MQARTask`); the defaults are Zoology's layout."""
     needle_key_len: int = 3
+    needle_distractors: int = 0
+    needle_haystack: str = "random"
+    """Needle knobs (see :class:`NeedleTask`): distractor needles and the haystack."""
     eval_seed: int = 1
     """Seed of the evaluation stream (training uses ``seed``)."""
     data_paths: tuple[str, ...] = field(default_factory=tuple)
@@ -88,7 +95,7 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 _fail(name, value, "an integer >= 1")
-        for name in ("warmup_steps", "seed", "eval_seed"):
+        for name in ("warmup_steps", "seed", "eval_seed", "needle_distractors"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 _fail(name, value, "an integer >= 0")
@@ -123,6 +130,12 @@ class TrainConfig:
                 isinstance(p, str) and p for p in self.data_paths):
             _fail("data_paths", self.data_paths, "a tuple of file or directory paths")
         self._check_text_fields()
+        for name, allowed in (("mqar_placement", MQARTask.PLACEMENTS),
+                              ("mqar_filler", MQARTask.FILLERS),
+                              ("mqar_queries", MQARTask.QUERIES),
+                              ("needle_haystack", NeedleTask.HAYSTACKS)):
+            if getattr(self, name) not in allowed:
+                _fail(name, getattr(self, name), f"one of {allowed}")
         self._check_task_fits_model()
 
     def _check_text_fields(self) -> None:
@@ -157,6 +170,23 @@ class TrainConfig:
             if 4 * self.mqar_pairs > self.seq_len:
                 _fail("seq_len", self.seq_len,
                       f"at least 4 * mqar_pairs = {4 * self.mqar_pairs} for task 'mqar'")
+        try:
+            self.synthetic_task()
+        except ConfigError as e:
+            raise ConfigError(f"TrainConfig task {self.task!r}: {e}") from None
+
+    def synthetic_task(self) -> CopyTask | MQARTask | NeedleTask | None:
+        """The generated task this run trains and evaluates on (``None`` for text)."""
+        vocab = self.model.vocab_size
+        if self.task == "copy":
+            return CopyTask(self.seq_len, self.copy_symbols)
+        if self.task == "mqar":
+            return MQARTask(vocab, self.seq_len, self.mqar_pairs, placement=self.mqar_placement,
+                            filler=self.mqar_filler, queries=self.mqar_queries)
+        if self.task == "needle":
+            return NeedleTask(vocab, self.seq_len, self.needle_key_len,
+                              distractors=self.needle_distractors, haystack=self.needle_haystack)
+        return None
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with ``changes`` applied and validated."""

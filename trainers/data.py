@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .config import TrainConfig
-from .synthetic import Batch, CopyTask, MQARTask, NeedleTask
+from .synthetic import Batch
 from .text_data import StreamWindows, load_text_sources, resolve_corpus
 from .tokenization import load_tokenizer
 
@@ -89,13 +89,9 @@ def build_batches(config: TrainConfig) -> Batches:
     """
     train: Source | StreamWindows
     evaluate: Source | StreamWindows
-    if config.task == "copy":
-        train = evaluate = CopyTask(config.seq_len, config.copy_symbols)
-    elif config.task == "mqar":
-        train = evaluate = MQARTask(config.model.vocab_size, config.seq_len, config.mqar_pairs)
-    elif config.task == "needle":
-        train = evaluate = NeedleTask(config.model.vocab_size, config.seq_len,
-                                      config.needle_key_len)
+    task = config.synthetic_task()
+    if task is not None:
+        train = evaluate = task
     else:
         tokenizer = load_tokenizer(config.tokenizer)
         if tokenizer.vocab_size > config.model.vocab_size:
