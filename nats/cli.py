@@ -21,7 +21,8 @@ _OVERRIDES = ("task", "steps", "batch_size", "seq_len", "lr", "warmup_steps", "s
               "out_dir", "grad_accum_steps", "precision", "compile", "init_from",
               "eval_interval", "eval_batches", "log_interval", "checkpoint_interval",
               "keep_checkpoints", "mqar_pairs", "data_paths", "data_format", "text_field",
-              "tokenizer", "streaming", "eval_seed")
+              "tokenizer", "streaming", "eval_seed", "mqar_placement", "mqar_filler",
+              "mqar_queries", "needle_distractors", "needle_haystack")
 """``TrainConfig`` fields that ``nats train`` options override (same names as ``dest``)."""
 
 
@@ -40,6 +41,10 @@ def _train(args: argparse.Namespace) -> int:
     if "data_paths" in overrides:
         overrides["data_paths"] = tuple(overrides["data_paths"])
     config = run_config(args.preset, overrides, resume=args.resume, config_path=args.config)
+    if args.arch is not None:
+        from nats.trainers.config import with_architecture
+
+        config = with_architecture(config, args.arch, args.softmax_every)
     result = train(config, resume=args.resume)
     if result.interrupted:
         print(f"nats: interrupted at step {result.step}; continue with: "
@@ -133,8 +138,8 @@ def _export(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from nats.kernels.bench import BenchShape
-    from nats.trainers import PRESETS, TASKS
-    from nats.trainers.config import DATA_FORMATS, PRECISIONS
+    from nats.trainers import PRESETS, TASKS, MQARTask, NeedleTask
+    from nats.trainers.config import ARCHITECTURES, DATA_FORMATS, PRECISIONS
 
     parser = _Parser(prog="nats", description="NAtS-L: token-level hybrid attention search.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -167,6 +172,15 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--checkpoint-interval", type=int)
     train.add_argument("--keep-checkpoints", type=int)
     train.add_argument("--mqar-pairs", type=int, help="key-value pairs of task 'mqar'")
+    train.add_argument("--mqar-placement", choices=MQARTask.PLACEMENTS)
+    train.add_argument("--mqar-filler", choices=MQARTask.FILLERS)
+    train.add_argument("--mqar-queries", choices=MQARTask.QUERIES)
+    train.add_argument("--needle-distractors", type=int)
+    train.add_argument("--needle-haystack", choices=NeedleTask.HAYSTACKS)
+    train.add_argument("--arch", choices=ARCHITECTURES,
+                       help="replace the preset's mixers by a baseline's (same width, depth)")
+    train.add_argument("--softmax-every", type=int, default=2, metavar="K",
+                       help="layer-hybrid / natsl: softmax (NAtS-L) in every K-th layer")
     train.add_argument("--out", dest="out_dir", help="run folder: logs, checkpoints, model/")
     train.add_argument("--data", dest="data_paths", nargs="+", metavar="PATH",
                        help="files, folders or a save_to_disk folder for task 'text' "

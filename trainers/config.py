@@ -258,6 +258,38 @@ def _presets() -> dict[str, TrainConfig]:
 
 PRESETS: tuple[str, ...] = tuple(_presets())
 
+ARCHITECTURES = ("transformer", "gdn", "layer-hybrid", "natsl", "natsl-all")
+"""The baselines a preset's model can be swapped for (``nats train --arch``): the same
+width, depth, heads and trainer, only the mixers differ (see :func:`architecture_layers`)."""
+
+
+def architecture_layers(arch: str, n_layers: int, softmax_every: int = 2) -> tuple[str, ...]:
+    """Layer types of baseline ``arch`` with ``n_layers`` layers.
+
+    ``transformer``: all softmax; ``gdn``: all Gated DeltaNet; ``layer-hybrid``: softmax in
+    every ``softmax_every``-th layer (layers ``k-1, 2k-1, ..``), Gated DeltaNet elsewhere;
+    ``natsl``: NAtS-L where the layer hybrid puts softmax, Gated DeltaNet elsewhere, so the
+    searched layers can only save cost against it; ``natsl-all``: NAtS-L everywhere.
+    """
+    if arch not in ARCHITECTURES:
+        raise ConfigError(f"unknown architecture {arch!r}: must be one of "
+                          f"{', '.join(ARCHITECTURES)}")
+    if isinstance(softmax_every, bool) or not isinstance(softmax_every, int) \
+            or not 1 <= softmax_every <= n_layers:
+        raise ConfigError(f"softmax_every = {softmax_every!r} is invalid: must be an integer "
+                          f"in 1 .. n_layers = {n_layers}")
+    uniform = {"transformer": "softmax", "gdn": "gdn", "natsl-all": "nats"}
+    if arch in uniform:
+        return (uniform[arch],) * n_layers
+    hybrid = "softmax" if arch == "layer-hybrid" else "nats"
+    return tuple(hybrid if (i + 1) % softmax_every == 0 else "gdn" for i in range(n_layers))
+
+
+def with_architecture(config: TrainConfig, arch: str, softmax_every: int = 2) -> TrainConfig:
+    """``config`` with its model's mixers replaced by baseline ``arch``'s."""
+    layers = architecture_layers(arch, config.model.n_layers, softmax_every)
+    return config.replace(model=config.model.replace(layer_types=layers))
+
 
 def preset(name: str) -> TrainConfig:
     """The named preset; an unknown name raises ``ValueError`` listing the known ones."""
