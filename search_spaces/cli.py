@@ -43,11 +43,15 @@ def add_search_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="quality objective (default loss: eval cross-entropy)")
     p.add_argument("--cost", choices=tuple(COSTS), default="flops",
                    help="cost objective at --context tokens: flops (mixer FLOPs per token, "
-                        "default), kv (KV-cache bytes) or cache (KV cache + state)")
+                        "default), kv (KV-cache bytes), cache (KV cache + state) or latency "
+                        "(measured ms of a forward pass over --latency-len tokens on the "
+                        "trial's device)")
     p.add_argument("--objective", choices=OBJECTIVES, default="pareto",
                    help="pareto (quality and cost, default) or one of them alone")
     p.add_argument("--context", type=int, default=8192,
                    help="context length the cost is computed at (default 8192)")
+    p.add_argument("--latency-len", type=int, default=2048,
+                   help="tokens of the forward pass that --cost latency times (default 2048)")
     p.add_argument("--num-trials", type=int, default=8)
     p.add_argument("--max-concurrent", type=int, default=2)
     p.add_argument("--cpus-per-trial", type=float, default=1.0)
@@ -154,7 +158,8 @@ def search_command(args: argparse.Namespace) -> int:
         storage = str(Path(storage).resolve())
     settings = make_settings(
         space, _base(args), quality=args.metric, cost=args.cost, objective=args.objective,
-        context=args.context, num_trials=args.num_trials, max_concurrent=args.max_concurrent,
+        context=args.context, latency_len=args.latency_len, num_trials=args.num_trials,
+        max_concurrent=args.max_concurrent,
         cpus_per_trial=args.cpus_per_trial, gpus_per_trial=args.gpus_per_trial,
         time_budget_s=args.time_budget, seed=args.seed, sampler=args.sampler, asha=args.asha,
         max_failures=args.max_failures, optuna_storage=storage)

@@ -28,10 +28,15 @@ COSTS = {
     "flops": ("cost/flops_per_token", "min"),
     "kv": ("cost/kv_cache_bytes", "min"),
     "cache": ("cost/cache_bytes", "min"),
+    "latency": ("cost/latency_ms", "min"),
 }
 """``--cost`` -> (reported key, mode): token-mixer FLOPs per token averaged over a
-``context``-token sequence, KV-cache bytes after ``context`` tokens, or KV cache plus
-recurrent state (batch 1; bf16 KV, fp32 state)."""
+``context``-token sequence, KV-cache bytes after ``context`` tokens, KV cache plus
+recurrent state (batch 1; bf16 KV, fp32 state), or the measured milliseconds of one
+forward pass over ``latency_len`` tokens on the trial's device (:mod:`nats.latency`)."""
+
+MEASURED_COSTS = ("latency",)
+"""Costs timed on the trial's device rather than computed from the cost model."""
 
 OBJECTIVES = ("pareto", "quality", "cost")
 """``pareto``: quality and cost (multi-objective); ``quality`` or ``cost`` alone."""

@@ -111,15 +111,17 @@ def write(results: SearchResults, out: str | Path) -> list[Path]:
         if i in plotted:
             labels[plotted.index(i)] = f"#{n}"
     png = plot_front(points, front, out / FRONT_PNG,
-                     xlabel=f"{ck} at {s.context} tokens ({_unit(ck)})",
+                     xlabel=_cost_label(ck, s),
                      ylabel=f"{qk} ({'lower' if s.quality_key[1] == 'min' else 'higher'} "
                             "is better)",
                      title=f"{len(plotted)} trials, Pareto front in orange", labels=labels)
     return [out / RESULTS_CSV, out / FRONT_JSON, png]
 
 
-def _unit(key: str) -> str:
-    return "FLOPs" if "flops" in key else "bytes"
+def _cost_label(key: str, settings: Any) -> str:
+    if key == "cost/latency_ms":
+        return f"{key}: forward over {settings.latency_len} tokens (ms)"
+    return f"{key} at {settings.context} tokens ({'FLOPs' if 'flops' in key else 'bytes'})"
 
 
 def pick(results: SearchResults, choice: str | int | None = None) -> int:

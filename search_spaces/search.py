@@ -23,7 +23,7 @@ from typing import Any
 from nats.atomic_write import atomic_write_bytes
 from nats.trainers import TrainConfig
 
-from .objectives import COSTS, QUALITY, cost_metrics, objective_keys
+from .objectives import COSTS, MEASURED_COSTS, QUALITY, cost_metrics, objective_keys
 from .spaces import DefineByRun, SearchSpace, check_space_fits, space_from_dict
 
 SETTINGS_FILE = "search.json"
@@ -44,6 +44,8 @@ class SearchSettings:
     cost: str = "flops"
     objective: str = "pareto"
     context: int = 8192
+    latency_len: int = 2048
+    """Tokens of the forward pass that ``--cost latency`` times (evaluation data, batch 1)."""
     num_trials: int = 8
     max_concurrent: int = 2
     cpus_per_trial: float = 1.0
@@ -61,7 +63,7 @@ class SearchSettings:
         objective_keys(self.objective, self.quality, self.cost)
         if self.sampler not in SAMPLERS:
             raise ValueError(f"--sampler {self.sampler!r}: must be one of {SAMPLERS}")
-        for name in ("context", "num_trials", "max_concurrent"):
+        for name in ("context", "latency_len", "num_trials", "max_concurrent"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {value!r}: must be an "
@@ -142,6 +144,22 @@ def trial_config(settings: SearchSettings, params: dict[str, Any], out_dir: Path
                                                   config.checkpoint_interval))
 
 
+def _latency_timer(settings: SearchSettings, config: TrainConfig) -> Any:
+    """For ``--cost latency``: a function timing a model's forward pass over
+    ``latency_len`` tokens of the trial's evaluation data (as it is routed at that step);
+    ``None`` when the cost is computed, not measured."""
+    if settings.cost not in MEASURED_COSTS:
+        return None
+    from nats.latency import prefill_latency_ms
+    from nats.trainers.data import build_batches
+    from nats.trainers.distributed import resolve_device
+    from nats.trainers.loop import autocast_for
+
+    input_ids = build_batches(config).eval(1)[0][0]
+    autocast = autocast_for(config.precision, resolve_device(config.device))
+    return lambda model: prefill_latency_ms(model, input_ids, settings.latency_len, autocast)
+
+
 def _write_trial(out_dir: Path, record: dict[str, Any]) -> None:
     atomic_write_bytes(out_dir / TRIAL_FILE, json.dumps(record, indent=2).encode())
 
@@ -197,6 +215,7 @@ def run_trial(params: dict[str, Any], *, settings: SearchSettings, trials_dir: s
     trial_id = tune.get_context().get_trial_id()
     out_dir = Path(trials_dir) / trial_id
     config = trial_config(settings, params, out_dir)
+    timer = _latency_timer(settings, config)
     torch.set_num_threads(max(1, int(settings.cpus_per_trial)))
     out_dir.mkdir(parents=True, exist_ok=True)
     _restore_tune_checkpoint(out_dir)
@@ -220,9 +239,11 @@ def run_trial(params: dict[str, Any], *, settings: SearchSettings, trials_dir: s
             shutil.copy2(newest, Path(d) / newest.name)
             tune.report(values, checkpoint=tune.Checkpoint.from_directory(d))
 
-    def on_eval(step: int, metrics: dict[str, float]) -> None:
+    def on_eval(step: int, metrics: dict[str, float], model: Any) -> None:
         values = {k: v for k, v in metrics.items() if "/head" not in k}
         values.update(cost_metrics(config.model, metrics, settings.context))
+        if timer is not None:
+            values["cost/latency_ms"] = timer(model)
         values["step"] = step
         record.update(step=step, metrics=values)
         _write_trial(out_dir, record)

@@ -40,8 +40,9 @@ from .optim import build_optimizer, lr_at, set_lr
 from .synthetic import Batch
 from .tensorboard_log import RunLog
 
-EvalCallback = Callable[[int, dict[str, float]], None]
-"""Called after every evaluation with the step and the metrics (e.g. to report to Tune)."""
+EvalCallback = Callable[[int, dict[str, float], NatsForCausalLM], None]
+"""Called after every evaluation with the step, the metrics and the model (e.g. to report
+to Tune, or to time the model as it is routed now)."""
 
 
 @dataclass
@@ -276,7 +277,7 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
                     if world.is_main:
                         tqdm.write(_eval_line(step, eval_metrics))
                     if on_eval is not None:
-                        on_eval(step, eval_metrics)
+                        on_eval(step, eval_metrics, model)
                 if step % config.checkpoint_interval == 0:
                     checkpoint = checkpoint_now()
                     saved_step = step

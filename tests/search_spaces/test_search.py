@@ -161,3 +161,15 @@ def test_interrupted_search_resumes(tmp_path: Path, local_ray, capsys) -> None:
     # Finished trials were kept, not trained again.
     for trial_id, mtime in finished.items():
         assert (out / "trials" / trial_id / "model").stat().st_mtime_ns == mtime
+
+
+def test_latency_cost_is_measured_per_trial(tmp_path: Path, local_ray, capsys) -> None:
+    out = tmp_path / "search"
+    assert main(["search", *TINY, "--num-trials", "2", "--cost", "latency",
+                 "--latency-len", "64", "--out", str(out)]) == 0
+    got = _check_consistent(out, cost="latency")
+    latencies = [float(r["cost/latency_ms"]) for r in got["rows"]]
+    assert len(latencies) == 2 and all(ms > 0 for ms in latencies)
+    for row in got["rows"]:
+        record = json.loads((out / "trials" / row["trial_id"] / "search_trial.json").read_text())
+        assert record["metrics"]["cost/latency_ms"] == float(row["cost/latency_ms"])

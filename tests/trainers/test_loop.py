@@ -22,7 +22,7 @@ from .conftest import MicroConfig
 def _interrupt_at(step: int):
     """An eval callback that presses Ctrl-C (a real SIGINT) after ``step``."""
 
-    def on_eval(at: int, metrics: dict[str, float]) -> None:
+    def on_eval(at: int, metrics: dict[str, float], model: object) -> None:
         if at == step:
             signal.raise_signal(signal.SIGINT)
 
