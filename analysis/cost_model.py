@@ -32,7 +32,8 @@ its fraction, so the mean fraction over heads gives the exact total), so::
 A "softmax" layer (``H r`` heads of ``dk/r``, ``dv/r``, full causal) has ``L (L + 1) / 2``
 pairs: NAtS-L at ``f = 1`` costs the same softmax FLOPs, at ``f = 0`` only its chunks.
 
-**Linear part** (Gated DeltaNet, recurrent form, per head and token, state ``dk x dv``)::
+**Linear part** (the config's ``linear_op``, recurrent form, per head and token; Gated
+DeltaNet shown, state ``dk x dv``)::
 
     decay  S <- a S                  dk dv multiplies        dk dv FLOPs
     read   p = S^T k                 dk dv multiply-adds   2 dk dv
@@ -41,16 +42,24 @@ pairs: NAtS-L at ``f = 1`` costs the same softmax FLOPs, at ``f = 0`` only its c
                                                            -------
                                                            7 dk dv
 
+The other operators drop steps (``LINEAR_FLOPS_PER_STATE_ENTRY``): DeltaNet has no
+decay (6), gated linear attention no delta read (5: decay, write ``k v^T``, output),
+linear attention neither (4), but its state has ``dv + 1`` columns (the normaliser
+``z`` is written and read like a value column). The ELU+1 feature map and the final
+division are ``O(dk + dv)`` vector work, left out like the gates.
+
 A NAtS-L layer runs this for every token whatever the routes (the own chunk always
-runs the delta rule); each finished softmax chunk also restores the snapshot decayed
-by the chunk's gates, ``dk dv`` multiplies per head. Of the ``floor(L/C)`` chunks that
-finish within ``L`` tokens, ``f floor(L/C)`` are softmax::
+runs the operator); each finished softmax chunk also restores the snapshot decayed by
+the chunk's gates, one multiply per state entry for operators with a decay gate (an
+operator without one restores the snapshot as it is: no FLOPs). Of the ``floor(L/C)``
+chunks that finish within ``L`` tokens, ``f floor(L/C)`` are softmax; with ``E`` state
+entries per head (``dk dv``, or ``dk (dv + 1)``) and ``F`` the operator's FLOPs per entry::
 
-    linear FLOPs per token = H * (7 dk dv + f * floor(L/C) * dk dv / L)
+    linear FLOPs per token = H * (F E + [decay] * f * floor(L/C) * E / L)
 
-A "gdn" layer: ``7 H dk dv`` per token, no restores. (The chunked training kernels
-order the same computation differently; the count is of the token-by-token form that
-decoding runs.)
+A "gdn" layer (the plain linear layer): ``F H E`` per token, no restores. (The chunked
+training kernels order the same computation differently; the count is of the
+token-by-token form that decoding runs.)
 
 **KV cache at context L** (nats/cache.py holds exactly this): the keys and values of
 the finished softmax chunks plus the open chunk's ``L mod C`` tokens, whatever its
@@ -63,7 +72,7 @@ holds up to ``C - 1`` more tokens before it is filed (or dropped). For ``L`` a m
 ``C`` (every default context) the open chunk is empty, so ``f = 1`` is exactly a softmax
 layer's ``L H (dk + dv) dtype_bytes`` and ``f = 0`` holds no keys at all.
 
-**Recurrent state**: ``H dk dv state_dtype_bytes`` for a "gdn" layer; twice that for
+**Recurrent state**: ``H E state_dtype_bytes`` for a "gdn" layer; twice that for
 NAtS-L, which keeps the state and its snapshot at the current chunk's start (NATSL.md,
 "Inference cache"). Not counted: the short-convolution window, the scorer's running
 pool and the chunk's summed gates (``O(d_model)`` a layer, independent of ``L``).
@@ -82,14 +91,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from nats.config import NatsConfig
+from nats.layers.linear_ops import DECAY_OPS, LinearOperator
 
 from .softmax_fraction import LayerFraction
 
 DEFAULT_CONTEXTS = tuple(2**p for p in range(10, 21))
 """1024, 2048, ..., 1_048_576 tokens."""
 
-LINEAR_FLOPS_PER_STATE_ENTRY = 7
-"""Delta-rule FLOPs per token per state entry: decay 1, read 2, write 2, output 2."""
+LINEAR_FLOPS_PER_STATE_ENTRY = {"gated_deltanet": 7, "deltanet": 6, "gated_linear_attention": 5,
+                                "linear_attention": 4}
+"""FLOPs per token per state entry of each ``linear_op``: decay 1, delta read 2, write 2,
+output 2 (each operator has the steps it runs)."""
 
 IMPLIED_FRACTION = {"softmax": 1.0, "gdn": 0.0}
 
@@ -107,7 +119,7 @@ class LayerCost:
     softmax_flops_per_token: float
     """Softmax attention FLOPs of a length-``context_len`` sequence, divided by its length."""
     linear_flops_per_token: float
-    """Gated delta rule FLOPs (with snapshot restores), divided by the length."""
+    """Linear operator FLOPs (with snapshot restores), divided by the length."""
     kv_cache_bytes: float
     """Expected bytes of keys and values cached after ``context_len`` tokens (batch 1)."""
     state_bytes: int
@@ -193,7 +205,8 @@ def all_softmax(config: NatsConfig) -> NatsConfig:
 
 
 def all_linear(config: NatsConfig) -> NatsConfig:
-    """The same model with every layer plain Gated DeltaNet (``H`` heads)."""
+    """The same model with every layer a plain linear layer (``H`` heads of its
+    ``linear_op``, Gated DeltaNet by default)."""
     return config.replace(layer_types=("gdn",) * config.n_layers)
 
 
@@ -225,7 +238,10 @@ def fractions_from_measurement(config: NatsConfig, measured: Mapping[int, LayerF
 def _layer_cost(cfg: NatsConfig, layer: int, kind: str, f: float, seq_len: int,
                 dtype_bytes: int, state_dtype_bytes: int) -> LayerCost:
     h, dk, dv, c = cfg.n_heads, cfg.head_dim_k, cfg.head_dim_v, cfg.chunk_size
-    state_entries = h * dk * dv
+    op = LinearOperator.from_config(cfg)
+    state_entries = h * dk * op.state_width
+    per_entry = LINEAR_FLOPS_PER_STATE_ENTRY[cfg.linear_op]
+    restore = float(cfg.linear_op in DECAY_OPS)  # FLOPs per entry of a softmax chunk's restore
     flops_per_pair = 2 * h * (dk + dv)           # H r heads x 2 (dk/r + dv/r)
     kv_per_token = h * (dk + dv) * dtype_bytes   # H r heads x (dk/r + dv/r) values
     finished = seq_len // c
@@ -233,13 +249,13 @@ def _layer_cost(cfg: NatsConfig, layer: int, kind: str, f: float, seq_len: int,
         pairs, linear, kv_tokens, states = seq_len * (seq_len + 1) / 2, 0.0, float(seq_len), 0
     elif kind == "gdn":
         pairs, kv_tokens, states = 0.0, 0.0, 1
-        linear = LINEAR_FLOPS_PER_STATE_ENTRY * state_entries * seq_len
+        linear = per_entry * state_entries * seq_len
     else:
         sizes = [c] * finished + ([seq_len % c] if seq_len % c else [])
         own = sum(n * (n + 1) // 2 for n in sizes)
         earlier = sum(n * i * c for i, n in enumerate(sizes))
         pairs = own + f * earlier
-        linear = (LINEAR_FLOPS_PER_STATE_ENTRY * seq_len + f * finished) * state_entries
+        linear = (per_entry * seq_len + restore * f * finished) * state_entries
         kv_tokens, states = f * c * finished + seq_len % c, 2
     return LayerCost(layer=layer, kind=kind, softmax_fraction=f, context_len=seq_len,
                      softmax_flops_per_token=flops_per_pair * pairs / seq_len,

@@ -39,8 +39,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from nats.config import NatsConfig
-from nats.kernels import hybrid_gated_delta_rule, num_chunks
-from nats.kernels.decode import gated_delta_rule_step
+from nats.kernels import (
+    hybrid_gated_delta_rule,
+    hybrid_gated_linear_attention,
+    hybrid_linear_attention,
+    num_chunks,
+)
+from nats.kernels.decode import (
+    gated_delta_rule_step,
+    gated_linear_attention_step,
+    linear_attention_step,
+)
 
 from .norms import l2_norm, upcast
 from .routing import forced_routes
@@ -159,8 +168,6 @@ class LinearOperator:
         if self.name in DELTA_OPS:
             return hybrid_gated_delta_rule(q, k, v, gates.g, gates.beta, routes, self.chunk_size,
                                            self.scale, **common)
-        from nats.kernels import hybrid_gated_linear_attention, hybrid_linear_attention
-
         if self.name in DECAY_OPS:
             return hybrid_gated_linear_attention(q, k, v, gates.g, routes, self.chunk_size,
                                                  self.scale, **common)
@@ -172,8 +179,6 @@ class LinearOperator:
         Returns ``(o [B, H, Dv], new_state)``."""
         if self.name in DELTA_OPS:
             return gated_delta_rule_step(state, q, k, v, gates.g, gates.beta, self.scale)
-        from nats.kernels.decode import gated_linear_attention_step, linear_attention_step
-
         if self.name in DECAY_OPS:
             return gated_linear_attention_step(state, q, k, v, gates.g, self.scale)
         return linear_attention_step(state, q, k, v)

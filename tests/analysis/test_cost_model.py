@@ -21,10 +21,11 @@ from nats.analysis.cost_model import (
 from nats.kernels.reference.softmax_attention import hybrid_key_weights
 
 
-def _cfg(layer_types=("nats",), n_heads=1, r=2, dk=8, dv=8, chunk=16) -> NatsConfig:
+def _cfg(layer_types=("nats",), n_heads=1, r=2, dk=8, dv=8, chunk=16,
+         linear_op="gated_deltanet") -> NatsConfig:
     return NatsConfig(vocab_size=32, d_model=32, n_layers=len(layer_types), n_heads=n_heads,
                       softmax_heads_per_head=r, head_dim_k=dk, head_dim_v=dv,
-                      chunk_size=chunk, layer_types=layer_types)
+                      chunk_size=chunk, layer_types=layer_types, linear_op=linear_op)
 
 
 def test_nats_layer_hand_count() -> None:
@@ -74,6 +75,37 @@ def test_softmax_and_gdn_layers_hand_count() -> None:
     assert nats.kv_cache_bytes == sm.kv_cache_bytes
     assert nats.linear_flops_per_token == gdn.linear_flops_per_token + 4 * 64 / 64
     assert cost.state_bytes == 256 + 512
+
+
+@pytest.mark.parametrize(("linear_op", "flops_per_entry", "columns", "restores"), [
+    ("gated_deltanet", 7, 8, True),          # decay 1 + read 2 + write 2 + output 2
+    ("deltanet", 6, 8, False),               # no decay: read, write, output
+    ("gated_linear_attention", 5, 8, True),  # no delta read: decay, write k v^T, output
+    ("linear_attention", 4, 9, False),       # write and output over [v, z]: dv + 1 columns
+])
+def test_linear_operator_hand_count(linear_op, flops_per_entry, columns, restores) -> None:
+    # L=64, C=16: 4 chunks finish, f=0.5 -> 2 softmax chunks restore the snapshot (decay
+    # ops: one multiply per state entry; the others copy it). H=1, dk=8, dv=8.
+    cost = architecture_cost(_cfg(("nats", "gdn"), linear_op=linear_op), [0.5, None], 64)
+    nats, plain = cost.layers
+    entries = 8 * columns
+    assert plain.linear_flops_per_token == flops_per_entry * entries
+    assert nats.linear_flops_per_token == (64 * flops_per_entry * entries
+                                           + restores * 2 * entries) / 64
+    assert (plain.state_bytes, nats.state_bytes) == (entries * 4, 2 * entries * 4)
+    # The softmax side does not depend on the operator.
+    reference = architecture_cost(_cfg(("nats", "gdn")), [0.5, None], 64).layers[0]
+    assert nats.softmax_flops_per_token == reference.softmax_flops_per_token
+    assert nats.kv_cache_bytes == reference.kv_cache_bytes
+
+
+def test_operators_without_delta_rule_are_cheaper_per_token() -> None:
+    def plain(op: str) -> float:
+        return architecture_cost(_cfg(("gdn",), dk=64, dv=64, linear_op=op), [None],
+                                 4096).linear_flops_per_token
+
+    assert plain("gated_linear_attention") < plain("deltanet") < plain("gated_deltanet")
+    assert plain("linear_attention") < plain("deltanet")
 
 
 def test_f0_is_within_chunk_attention_plus_linear() -> None:
@@ -193,12 +225,14 @@ def test_fractions_from_measurement() -> None:
         fractions_from_measurement(cfg, {0: 0.5})
 
 
-@pytest.mark.parametrize("seq_len", [64, 69, 133])
-def test_bytes_match_the_real_cache(seq_len: int) -> None:
+@pytest.mark.parametrize(("seq_len", "linear_op"), [
+    (64, "gated_deltanet"), (69, "gated_deltanet"), (133, "gated_deltanet"),
+    (69, "deltanet"), (69, "gated_linear_attention"), (69, "linear_attention")])
+def test_bytes_match_the_real_cache(seq_len: int, linear_op: str) -> None:
     # fraction_is_softmax files exactly floor(n f) of the first n chunks as softmax; with
     # f = 0.5 and an even number of finished chunks that is f n, the model's expectation.
     torch.manual_seed(0)
-    cfg = _cfg(("nats", "gdn", "softmax"), n_heads=2, r=2, dk=16, dv=8)
+    cfg = _cfg(("nats", "gdn", "softmax"), n_heads=2, r=2, dk=16, dv=8, linear_op=linear_op)
     model = NatsForCausalLM(cfg).eval()
     model.set_route_override(0.5)
     with torch.no_grad():

@@ -19,6 +19,8 @@ from nats import ConfigError, NatsConfig
         ({"head_dim_k": 30, "softmax_heads_per_head": 4},
          r"NatsConfig\.head_dim_k = 30 .*multiple of softmax_heads_per_head=4"),
         ({"backend": "cuda"}, r"NatsConfig\.backend = 'cuda' .*'auto', 'reference', 'triton'"),
+        ({"linear_op": "mamba"}, r"NatsConfig\.linear_op = 'mamba' .*one of \('gated_deltanet', "
+                                 r"'deltanet', 'gated_linear_attention', 'linear_attention'\)"),
         ({"rope": True, "head_dim_k": 6, "head_dim_v": 6, "softmax_heads_per_head": 2},
          r"NatsConfig\.rope = True .*odd"),
     ],
@@ -34,6 +36,15 @@ def test_dict_round_trip_and_unknown_keys():
     assert NatsConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ConfigError, match=r"unknown NatsConfig field\(s\) \['n_layer'\]"):
         NatsConfig.from_dict({**cfg.to_dict(), "n_layer": 3})
+
+
+def test_linear_op_round_trips_and_old_configs_load_as_gated_deltanet():
+    for op in ("deltanet", "gated_linear_attention", "linear_attention"):
+        cfg = NatsConfig(linear_op=op)
+        assert cfg.to_dict()["linear_op"] == op
+        assert NatsConfig.from_dict(cfg.to_dict()) == cfg
+    old = {k: v for k, v in NatsConfig().to_dict().items() if k != "linear_op"}
+    assert NatsConfig.from_dict(old).linear_op == "gated_deltanet"
 
 
 def test_derived_sizes():
