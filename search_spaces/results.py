@@ -43,7 +43,9 @@ def _row(record: dict[str, Any], error: str | None) -> dict[str, Any]:
     if error is not None:
         status = "error"
     row: dict[str, Any] = {"trial_id": record["trial_id"], "status": status,
-                           "step": record.get("step", 0), "steps": record.get("steps")}
+                           "step": record.get("step", 0), "steps": record.get("steps"),
+                           "node": record.get("node"), "gpus": record.get("gpus"),
+                           "wall_s": _wall_s(record)}
     for name in ("chunk_size", "n_layers", "d_model", "n_heads", "softmax_heads_per_head",
                  "reg_lambda"):
         row[name] = model.get(name)
@@ -54,6 +56,13 @@ def _row(record: dict[str, Any], error: str | None) -> dict[str, Any]:
     if error is not None:
         row["error"] = error
     return row
+
+
+def _wall_s(record: dict[str, Any]) -> float | None:
+    """Seconds from the trial's (latest) start to its end; None while it runs."""
+    if "ended_at" not in record or "started_at" not in record:
+        return None
+    return round(record["ended_at"] - record["started_at"], 1)
 
 
 def collect(out: str | Path, errors: dict[str, str] | None = None,

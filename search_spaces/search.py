@@ -12,10 +12,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import platform
 import shutil
 import signal
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -225,6 +227,9 @@ def run_trial(params: dict[str, Any], *, settings: SearchSettings, trials_dir: s
                               "step": previous.get("step", 0), "steps": config.steps,
                               "metrics": previous.get("metrics", {}),
                               "model": config.model.to_dict(), "pid": os.getpid(),
+                              "node": platform.node(),
+                              "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+                              "started_at": time.time(),
                               "resumed_from": _checkpoint_step(start)}
     _write_trial(out_dir, record)
     reported = [latest_checkpoint(out_dir)]
@@ -251,7 +256,8 @@ def run_trial(params: dict[str, Any], *, settings: SearchSettings, trials_dir: s
             report(values)
 
     result = train(config, resume=start is not None, on_eval=on_eval)
-    record.update(status="interrupted" if result.interrupted else "done", step=result.step)
+    record.update(status="interrupted" if result.interrupted else "done", step=result.step,
+                  ended_at=time.time())
     _write_trial(out_dir, record)
     if not result.interrupted:
         report({**record["metrics"], "step": result.step})

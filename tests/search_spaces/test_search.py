@@ -170,6 +170,8 @@ def test_latency_cost_is_measured_per_trial(tmp_path: Path, local_ray, capsys) -
     got = _check_consistent(out, cost="latency")
     latencies = [float(r["cost/latency_ms"]) for r in got["rows"]]
     assert len(latencies) == 2 and all(ms > 0 for ms in latencies)
+    # Each trial says where it ran and for how long (for trials-per-hour on a cluster).
+    assert all(r["node"] and float(r["wall_s"]) > 0 for r in got["rows"])
     for row in got["rows"]:
         record = json.loads((out / "trials" / row["trial_id"] / "search_trial.json").read_text())
         assert record["metrics"]["cost/latency_ms"] == float(row["cost/latency_ms"])
