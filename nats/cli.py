@@ -241,6 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_search_parser(sub)
 
+    from nats.evaluation.cli import add_eval_parser
+
+    add_eval_parser(sub)
+
     bench = sub.add_parser("bench", help="GPU benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_target", required=True, metavar="TARGET")
     kernels = bench_sub.add_parser(

@@ -1,0 +1,73 @@
+"""``nats eval``: the options and what they run (the parser lives in :mod:`nats.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+DEFAULT_BATCHES = 4
+
+
+def add_eval_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``eval`` to the ``nats`` sub-commands."""
+    from nats.trainers import TASKS, MQARTask, NeedleTask
+
+    p = sub.add_parser(
+        "eval", help="evaluate a run, checkpoint or exported model on task slices",
+        description="Accuracy (or bits per byte), softmax fraction per layer, tokens/s, peak "
+                    "memory and cost per slice; every combination of the knob values given "
+                    "is a slice. Lengths other than the training length are labelled so.")
+    p.add_argument("source", metavar="CHECKPOINT_OR_EXPORT_DIR",
+                   help="a run folder, a checkpoint file or a saved/exported model folder")
+    p.add_argument("--task", choices=TASKS, help="default: the run's task (mqar without one)")
+    p.add_argument("--seq-len", type=int, nargs="+", metavar="T",
+                   help="evaluation lengths (default: the training length)")
+    p.add_argument("--pairs", type=int, nargs="+", metavar="P",
+                   help="mqar: key-value pairs, one value or one per --seq-len")
+    p.add_argument("--placement", nargs="+", choices=MQARTask.PLACEMENTS)
+    p.add_argument("--filler", nargs="+", choices=MQARTask.FILLERS)
+    p.add_argument("--queries", nargs="+", choices=MQARTask.QUERIES)
+    p.add_argument("--distractors", type=int, nargs="+", help="needle: distractor needles")
+    p.add_argument("--haystack", nargs="+", choices=NeedleTask.HAYSTACKS)
+    p.add_argument("--batches", type=int, default=DEFAULT_BATCHES,
+                   help=f"evaluation batches per slice (default {DEFAULT_BATCHES})")
+    p.add_argument("--batch-size", type=int, help="default: the run's batch size")
+    p.add_argument("--train-seq-len", type=int,
+                   help="training length of an exported model (runs know their own)")
+    p.add_argument("--prefill", type=int, nargs="+", default=[], metavar="T",
+                   help="also time a batch-1 prefill of T tokens")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--out", type=Path, default=Path("eval.json"),
+                   help="JSON file of every result (default eval.json)")
+    p.set_defaults(func=eval_command)
+    return p
+
+
+def eval_command(args: argparse.Namespace) -> int:
+    from nats.trainers import TrainConfig, resolve_device
+
+    from .harness import run_eval, summary_lines
+    from .loading import load_for_eval
+    from .slices import slice_configs
+
+    for name in ("batch_size", "train_seq_len"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    device = resolve_device(args.device)
+    loaded = load_for_eval(args.source, device)
+    task = args.task or (loaded.train_config.task if loaded.train_config else "mqar")
+    seq_lens = args.seq_len or [args.train_seq_len or (
+        loaded.train_config.seq_len if loaded.train_config else TrainConfig.seq_len)]
+    base = loaded.train_config or TrainConfig(  # an exported model: the task's defaults
+        model=loaded.model.config, task=task, seq_len=seq_lens[0], device=args.device,
+        **({"mqar_pairs": args.pairs[0]} if args.pairs else {}))
+    knobs = {"mqar_placement": args.placement, "mqar_filler": args.filler,
+             "mqar_queries": args.queries, "needle_distractors": args.distractors,
+             "needle_haystack": args.haystack}
+    slices = slice_configs(base, task, seq_lens, args.pairs or (), args.batch_size, knobs)
+    report = run_eval(loaded, slices, args.batches, device, args.train_seq_len, args.prefill,
+                      args.out)
+    print("\n".join(summary_lines(report)))
+    print(f"nats: wrote {args.out}")
+    return 0

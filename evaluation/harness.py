@@ -1,0 +1,191 @@
+"""Evaluate one model on task slices: accuracy, softmax fraction, speed, memory and cost.
+
+Quality metrics are the trainer's own (:func:`nats.trainers.evaluate`), not a recount.
+Speed is tokens per second of the evaluation forward passes (wall clock, CUDA synchronised).
+Memory: on CUDA the peak of ``torch.cuda.max_memory_allocated`` during the slice; on the CPU
+the process's peak resident set size (``ru_maxrss``, a high-water mark over the process's
+whole life) and how much the slice raised it, which is 0 when an earlier peak was higher.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from nats import NatsForCausalLM
+from nats.analysis.cost_model import IMPLIED_FRACTION, architecture_cost
+from nats.atomic_write import atomic_write_bytes
+from nats.trainers import TrainConfig, build_batches, evaluate
+from nats.trainers.loop import autocast_for
+
+from .loading import LoadedModel
+from .slices import slice_name, slice_params
+
+COST_CONTEXTS = (4096, 32768)
+"""Context lengths the cost model is evaluated at for every slice."""
+
+
+def length_label(seq_len: int, train_seq_len: int | None) -> str:
+    """How the evaluated length relates to the training length."""
+    if train_seq_len is None:
+        return "training length unknown"
+    if seq_len == train_seq_len:
+        return "training length"
+    side = "longer" if seq_len > train_seq_len else "shorter"
+    return f"{side} than training ({train_seq_len})"
+
+
+def layer_fractions(model: NatsForCausalLM, metrics: dict[str, float]) -> list[dict[str, Any]]:
+    """Per layer: its type and softmax fraction (measured for NAtS-L, fixed otherwise)."""
+    out = []
+    for i, kind in enumerate(model.config.layer_types):
+        if kind == "nats":
+            out.append({"layer": i, "kind": kind, "measured": True,
+                        "softmax_fraction": metrics[f"eval/attn_frac/layer{i}"]})
+        else:
+            out.append({"layer": i, "kind": kind, "measured": False,
+                        "softmax_fraction": IMPLIED_FRACTION[kind]})
+    return out
+
+
+class _Memory:
+    """Peak memory of one slice; see the module docstring for what is measured."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        self.device = device
+        self.rss_before = _peak_rss()
+
+    def result(self) -> dict[str, Any]:
+        if self.cuda:
+            return {"what": "torch.cuda.max_memory_allocated during the slice",
+                    "peak_bytes": torch.cuda.max_memory_allocated(self.device)}
+        peak = _peak_rss()
+        return {"what": "CPU: process peak RSS (ru_maxrss) after the slice and how much the "
+                        "slice raised it (0: an earlier peak was higher)",
+                "peak_rss_bytes": peak, "peak_rss_increase_bytes": peak - self.rss_before}
+
+
+def _peak_rss() -> int:
+    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def evaluate_slice(model: NatsForCausalLM, config: TrainConfig, batches: int,
+                   device: torch.device, train_seq_len: int | None,
+                   progress: tqdm | None = None) -> dict[str, Any]:
+    """Metrics of ``model`` on ``batches`` evaluation batches of slice ``config``."""
+    source = build_batches(config)
+    data = source.eval(batches)
+    autocast = autocast_for(config.precision, device)
+    with torch.no_grad(), autocast:  # warm-up (kernel compilation, allocator): not timed
+        model(data[0][0][:1].to(device))
+    memory = _Memory(device)
+    start = time.perf_counter()
+    result = evaluate(model, data, device, autocast, source.bytes_per_token)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    if progress is not None:
+        progress.update(batches)
+    m = result.metrics
+    layers = layer_fractions(model, m)
+    fractions = [x["softmax_fraction"] if x["kind"] == "nats" else None for x in layers]
+    tokens = sum(x.numel() for x, _ in data)
+    out: dict[str, Any] = {
+        "name": slice_name(config), "task": config.task, "params": slice_params(config),
+        "seq_len": config.seq_len, "train_seq_len": train_seq_len,
+        "length": length_label(config.seq_len, train_seq_len),
+        "batches": batches, "batch_size": config.batch_size,
+        "accuracy": m["eval/acc"], "sequence_accuracy": m["eval/seq_acc"],
+        "loss": m["eval/ce"],
+        "softmax_fraction": sum(x["softmax_fraction"] for x in layers) / len(layers),
+        "layers": layers, "seconds": seconds, "tokens_per_second": tokens / seconds,
+        "memory": memory.result(),
+        "cost": {str(n): _cost_totals(model, fractions, n) for n in COST_CONTEXTS},
+        "metrics": m}
+    if "eval/bpb" in m:
+        out["bits_per_byte"] = m["eval/bpb"]
+    return out
+
+
+def _cost_totals(model: NatsForCausalLM, fractions: list[float | None],
+                 context: int) -> dict[str, float]:
+    cost = architecture_cost(model.config, fractions, context).to_dict()
+    return {k: v for k, v in cost.items() if k != "layers"}
+
+
+@torch.no_grad()
+def prefill_seconds(model: NatsForCausalLM, seq_len: int, device: torch.device,
+                    repeats: int = 3) -> float:
+    """Median wall time of ``model.prefill`` on one random sequence (after one warm-up)."""
+    ids = torch.randint(0, model.config.vocab_size, (1, seq_len),
+                        generator=torch.Generator().manual_seed(0)).to(device)
+    times = []
+    for i in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        with autocast_for("auto", device):
+            model.prefill(ids)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def run_eval(loaded: LoadedModel, slices: Sequence[TrainConfig], batches: int,
+             device: torch.device, train_seq_len: int | None = None,
+             prefill_lens: Sequence[int] = (), out: str | Path | None = None,
+             show_progress: bool = True) -> dict[str, Any]:
+    """Evaluate every slice (and time prefill at ``prefill_lens``); write JSON to ``out``."""
+    if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
+        raise ValueError(f"--batches must be an integer >= 1, got {batches!r}")
+    model = loaded.model.to(device).eval()
+    if train_seq_len is None and loaded.train_config is not None:
+        train_seq_len = loaded.train_config.seq_len
+    results = []
+    with tqdm(total=batches * len(slices), desc="eval", unit="batch",
+              disable=not show_progress) as bar:
+        for config in slices:
+            bar.set_postfix_str(slice_name(config))
+            results.append(evaluate_slice(model, config, batches, device, train_seq_len, bar))
+    report: dict[str, Any] = {
+        "source": loaded.origin, "device": str(device),
+        "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                        else "cpu"),
+        "torch": torch.__version__,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "model": model.config.to_dict(),
+        "train_task": loaded.train_config.task if loaded.train_config else None,
+        "train_seq_len": train_seq_len, "slices": results,
+        "prefill": [{"seq_len": n, "batch_size": 1,
+                     "seconds": prefill_seconds(model, n, device)} for n in prefill_lens]}
+    if out is not None:
+        atomic_write_bytes(Path(out), (json.dumps(report, indent=2) + "\n").encode())
+    return report
+
+
+def summary_lines(report: dict[str, Any]) -> list[str]:
+    """One line per slice for the terminal."""
+    lines = [f"nats eval: {report['source']} on {report['device_name']}"]
+    for s in report["slices"]:
+        quality = (f"bpb {s['bits_per_byte']:.3f}" if "bits_per_byte" in s
+                   else f"acc {s['accuracy']:.3f} seq_acc {s['sequence_accuracy']:.3f}")
+        lines.append(f"  {s['name']}: {quality}, softmax fraction {s['softmax_fraction']:.3f}"
+                     f", {s['tokens_per_second']:,.0f} tok/s ({s['length']})")
+    for p in report["prefill"]:
+        lines.append(f"  prefill {p['seq_len']} tokens: {1000 * p['seconds']:.2f} ms")
+    return lines

@@ -1,0 +1,133 @@
+"""``nats eval``: metrics against a direct recount, labels, JSON, loading and CLI errors."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from nats import NatsConfig, NatsForCausalLM
+from nats.analysis import measure_softmax_fraction
+from nats.cli import main
+from nats.evaluation import LoadedModel, load_for_eval, run_eval, slice_configs
+from nats.trainers import MQARTask, TrainConfig
+from nats.trainers.data import stream_generator
+
+CPU = torch.device("cpu")
+
+
+def _model(layers: tuple[str, ...] = ("gdn", "nats")) -> NatsForCausalLM:
+    torch.manual_seed(0)
+    config = NatsConfig(vocab_size=32, d_model=32, n_layers=len(layers), n_heads=2,
+                        softmax_heads_per_head=2, head_dim_k=16, head_dim_v=16, chunk_size=16,
+                        layer_types=layers)
+    return NatsForCausalLM(config).eval()
+
+
+def _run_config(model: NatsForCausalLM, **changes) -> TrainConfig:
+    return TrainConfig(model=model.config, task="mqar", seq_len=32, mqar_pairs=4,
+                       batch_size=4, device="cpu", **changes)
+
+
+def test_metrics_match_a_direct_recount(tmp_path: Path) -> None:
+    model = _model()
+    config = _run_config(model, eval_seed=5)
+    slices = slice_configs(config, "mqar", [64], pairs=[6], knobs={"mqar_filler": ["noise"]})
+    report = run_eval(LoadedModel(model, config, "test"), slices, 3, CPU,
+                      out=tmp_path / "e.json", show_progress=False)
+    (s,) = report["slices"]
+    # The same batches, drawn independently from the task and the evaluation stream.
+    task = MQARTask(32, 64, 6, filler="noise")
+    batches = [task.sample(4, stream_generator(5, "eval", i)) for i in range(3)]
+    hits = total = solved = 0
+    for x, y in batches:
+        pred = model(x).logits.argmax(-1)[:, :-1]
+        target = y[:, 1:]
+        scored = target != -100
+        hits += int(((pred == target) & scored).sum())
+        total += int(scored.sum())
+        solved += int(((pred == target) | ~scored).all(1).sum())
+    assert s["accuracy"] == pytest.approx(hits / total)
+    assert s["sequence_accuracy"] == pytest.approx(solved / 12)
+    measured = measure_softmax_fraction(model, batches)[1].overall
+    assert s["layers"][1]["softmax_fraction"] == pytest.approx(measured)
+    assert s["layers"][0] == {"layer": 0, "kind": "gdn", "measured": False,
+                              "softmax_fraction": 0.0}
+    assert s["softmax_fraction"] == pytest.approx(measured / 2)
+    assert s["params"] == {"seq_len": 64, "pairs": 6, "placement": "start",
+                           "filler": "noise", "queries": "power-law"}
+    assert s["length"] == "longer than training (32)"
+    assert s["tokens_per_second"] > 0 and s["memory"]["peak_rss_bytes"] > 0
+    assert set(s["cost"]) == {"4096", "32768"}
+    assert json.loads((tmp_path / "e.json").read_text()) == json.loads(json.dumps(report))
+
+
+def test_bits_per_byte_of_a_text_slice(tmp_path: Path) -> None:
+    from nats.trainers.text_data import in_validation
+
+    names = iter(f"doc{i}.txt" for i in range(1000))
+    for split in (False, True):  # one file in each split
+        name = next(n for n in names if in_validation(tmp_path / n, 0.5) == split)
+        (tmp_path / name).write_text("def f(x):\n    return x + 1\n" * 20)
+    model = _model(("softmax", "gdn"))
+    model = NatsForCausalLM(model.config.replace(vocab_size=256)).eval()
+    config = TrainConfig(model=model.config, task="text", seq_len=32, batch_size=2,
+                         data_paths=(str(tmp_path),), val_fraction=0.5, device="cpu")
+    report = run_eval(LoadedModel(model, config, "t"), [config], 2, CPU, show_progress=False)
+    (s,) = report["slices"]
+    assert s["bits_per_byte"] == pytest.approx(s["loss"] / math.log(2))  # bytes: 1 per token
+    assert s["length"] == "training length" and s["softmax_fraction"] == 0.5
+
+
+def test_exported_folder_has_no_training_length_unless_told(tmp_path: Path) -> None:
+    model = _model()
+    model.save_pretrained(tmp_path / "export")
+    loaded = load_for_eval(tmp_path / "export", CPU)
+    assert loaded.train_config is None
+    config = _run_config(model)
+    report = run_eval(loaded, [config], 1, CPU, show_progress=False)
+    assert report["slices"][0]["length"] == "training length unknown"
+    report = run_eval(loaded, [config], 1, CPU, train_seq_len=32, show_progress=False)
+    assert report["slices"][0]["length"] == "training length"
+    # A run's model/ folder finds the run's config one level up.
+    (tmp_path / "run").mkdir()
+    model.save_pretrained(tmp_path / "run" / "model")
+    (tmp_path / "run" / "train_config.json").write_text(json.dumps(config.to_dict()))
+    assert load_for_eval(tmp_path / "run" / "model", CPU).train_config == config
+
+
+def test_cli_writes_json_and_labels_lengths(tmp_path: Path, capsys) -> None:
+    model = _model()
+    model.save_pretrained(tmp_path / "m")
+    out = tmp_path / "r.json"
+    assert main(["eval", str(tmp_path / "m"), "--task", "needle", "--seq-len", "64", "128",
+                 "--haystack", "random", "repeated", "--distractors", "1", "--batches", "1",
+                 "--batch-size", "2", "--train-seq-len", "64", "--device", "cpu",
+                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    names = [s["name"] for s in report["slices"]]
+    assert names == [f"needle seq_len={t} distractors=1 haystack={h}"
+                     for t in (64, 128) for h in ("random", "repeated")]
+    assert [s["length"] for s in report["slices"]] == ["training length"] * 2 + [
+        "longer than training (64)"] * 2
+    assert "wrote" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["missing"], "does not exist"),
+    (["{tmp}"], "neither a run folder"),
+    (["{m}", "--task", "needle", "--pairs", "4"], "--pairs is an MQAR knob"),
+    (["{m}", "--seq-len", "32", "64", "--pairs", "1", "2", "3"], "one per --seq-len"),
+    (["{m}", "--task", "mqar", "--haystack", "text"], "not a knob of task 'mqar'"),
+    (["{m}", "--pairs", "40"], "mqar_pairs = 40"),
+    (["{m}", "--batches", "0"], "--batches must be"),
+])
+def test_bad_input_is_one_line(tmp_path: Path, capsys, argv: list[str], message: str) -> None:
+    _model().save_pretrained(tmp_path / "m")
+    argv = [a.format(tmp=tmp_path, m=tmp_path / "m") for a in argv]
+    assert main(["eval", *argv, "--device", "cpu", "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("nats: error:") and message in err
