@@ -1,0 +1,66 @@
+"""Language modelling of the Python standard library's sources (bytes) at 1k context,
+~10M-parameter baselines; bits per byte on the held-out files.
+
+    python experiments/lm.py --scale cpu                      # reduced: minutes on a CPU
+    python experiments/lm.py --scale gpu --device cuda        # full: < 1 h on one GPU
+
+Reading the corpus goes through ``datasets`` (trainers/text_data.py): it must be installed.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (
+    COST_HEADER,
+    best_per_seed,
+    cost_cells,
+    markdown_table,
+    mean_std,
+    parser,
+    run_grid,
+    write_table,
+)
+
+from nats import NatsConfig
+from nats.trainers import TrainConfig
+
+SCALES = {
+    "gpu": dict(d_model=256, layers=8, heads=4, head_dim=64, chunk=64, seq_len=1024,
+                steps=1500, batch=16, lrs=(1e-3,), seeds=(0,), eval_batches=8),
+    "cpu": dict(d_model=64, layers=2, heads=2, head_dim=32, chunk=16, seq_len=128,
+                steps=150, batch=8, lrs=(3e-3,), seeds=(0,), eval_batches=4),
+}
+
+
+def main() -> None:
+    args = parser(__doc__.splitlines()[0]).parse_args()
+    s = SCALES[args.scale]
+    model = NatsConfig(vocab_size=256, d_model=s["d_model"], n_layers=s["layers"],
+                       n_heads=s["heads"], softmax_heads_per_head=2, head_dim_k=s["head_dim"],
+                       head_dim_v=s["head_dim"], chunk_size=s["chunk"],
+                       layer_types=("nats",) * s["layers"], rope=True)
+    base = TrainConfig(model=model, task="text", steps=s["steps"], batch_size=s["batch"],
+                       seq_len=s["seq_len"], warmup_steps=s["steps"] // 10,
+                       eval_interval=s["steps"], eval_batches=2, log_interval=10,
+                       checkpoint_interval=s["steps"], keep_checkpoints=1)
+    reports = run_grid("lm", args, base, s["lrs"], s["seeds"], [base], s["eval_batches"],
+                       select=lambda r: -r["slices"][0]["bits_per_byte"])
+    header = ["arch", "params", "bits/byte", "softmax frac", *COST_HEADER]
+    rows = []
+    for arch, runs in best_per_seed(reports).items():
+        rows.append([arch, f"{runs[0]['parameters']:,}",
+                     mean_std([r["slices"][0]["bits_per_byte"] for r in runs]),
+                     mean_std([r["slices"][0]["softmax_fraction"] for r in runs]),
+                     *cost_cells(runs[0], 0)])
+    out = args.out or Path("runs/experiments") / f"lm-{args.scale}"
+    write_table(out, f"Language modelling, stdlib bytes ({args.scale} scale, context "
+                     f"{s['seq_len']})", markdown_table(header, rows),
+                ["Bits per byte on the validation files (lower is better)."])
+
+
+if __name__ == "__main__":
+    main()

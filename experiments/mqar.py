@@ -1,0 +1,75 @@
+"""MQAR: 2-layer baselines trained at 256 tokens / 64 pairs, tested from 64/4 to 1024/256.
+
+    python experiments/mqar.py --scale cpu                    # reduced: minutes on a CPU
+    python experiments/mqar.py --scale gpu --device cuda      # full: < 1 h on one GPU
+
+Best of a small learning-rate grid (by mean accuracy over the test slices) per seed; the
+table shows mean ± std over seeds. The CPU scale is smaller in every direction: see SCALES.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (
+    COST_HEADER,
+    best_per_seed,
+    cost_cells,
+    markdown_table,
+    mean_std,
+    parser,
+    run_grid,
+    write_table,
+)
+
+from nats import NatsConfig
+from nats.trainers import TrainConfig
+
+SCALES = {
+    "gpu": dict(vocab=8192, d_model=128, head_dim=64, chunk=32, train=(256, 64), steps=1500,
+                batch=64, lrs=(5e-4, 2e-3, 8e-3), seeds=(0, 1, 2), eval_batches=4,
+                test=((64, 4), (128, 16), (256, 64), (512, 128), (1024, 256))),
+    "cpu": dict(vocab=64, d_model=64, head_dim=32, chunk=16, train=(32, 4), steps=400,
+                batch=64, lrs=(3e-3,), seeds=(0,), eval_batches=2,
+                test=((32, 4), (64, 8), (128, 16))),
+}
+
+
+def main() -> None:
+    args = parser(__doc__.splitlines()[0]).parse_args()
+    s = SCALES[args.scale]
+    model = NatsConfig(vocab_size=s["vocab"], d_model=s["d_model"], n_layers=2, n_heads=2,
+                       softmax_heads_per_head=2, head_dim_k=s["head_dim"],
+                       head_dim_v=s["head_dim"], chunk_size=s["chunk"],
+                       layer_types=("nats", "nats"), rope=True)
+    seq_len, pairs = s["train"]
+    base = TrainConfig(model=model, task="mqar", steps=s["steps"], batch_size=s["batch"],
+                       seq_len=seq_len, mqar_pairs=pairs, warmup_steps=s["steps"] // 10,
+                       eval_interval=s["steps"], eval_batches=2, log_interval=10,
+                       checkpoint_interval=s["steps"], keep_checkpoints=1)
+    slices = [base.replace(seq_len=t, mqar_pairs=p) for t, p in s["test"]]
+    reports = run_grid("mqar", args, base, s["lrs"], s["seeds"], slices, s["eval_batches"],
+                       select=lambda r: sum(x["accuracy"] for x in r["slices"]) / len(r["slices"]))
+    header = ["arch", "lr (per seed)", *(f"acc {t}/{p}" for t, p in s["test"]),
+              "softmax frac", *COST_HEADER]
+    rows = []
+    train_index = list(s["test"]).index(s["train"])
+    for arch, runs in best_per_seed(reports).items():
+        accs = [mean_std([r["slices"][i]["accuracy"] for r in runs])
+                for i in range(len(s["test"]))]
+        frac = mean_std([r["slices"][train_index]["softmax_fraction"] for r in runs])
+        rows.append([arch, ", ".join(f"{r['lr']:g}" for r in runs), *accs, frac,
+                     *cost_cells(runs[0], train_index)])
+    out = args.out or Path("runs/experiments") / f"mqar-{args.scale}"
+    write_table(out, f"MQAR ({args.scale} scale, trained at {seq_len}/{pairs})",
+                markdown_table(header, rows),
+                ["Accuracy: share of queries answered exactly, mean ± std over seeds "
+                 f"({len(s['seeds'])}), best lr per seed. Softmax fraction and cost at the "
+                 "training slice; cost from analysis/cost_model.py at 4k/32k tokens."])
+
+
+if __name__ == "__main__":
+    main()
