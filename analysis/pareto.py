@@ -11,7 +11,20 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from .plotting import (
+    Axes,
+    LegendItem,
+    draw_legend,
+    legend_size,
+    load_font,
+    log_ticks,
+    nice_ticks,
+    quiet_corner,
+    save_png,
+)
+
 MODES = ("min", "max")
+FRONT_COLOR, OTHER_COLOR, MARKED_COLOR = (230, 120, 20), (150, 150, 150), (200, 0, 0)
 
 
 def _check(points: Sequence[Sequence[float]], modes: Sequence[str]) -> None:
@@ -50,107 +63,51 @@ def pareto_front(points: Sequence[Sequence[float]], modes: Sequence[str]) -> lis
     return sorted(front)
 
 
-def _nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
-    if hi <= lo:
-        hi = lo + (abs(lo) or 1.0)
-    raw = (hi - lo) / count
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
-    start = math.floor(lo / step) * step
-    ticks, t = [], start
-    while t <= hi + step * 1e-9:
-        ticks.append(round(t, 12))
-        t += step
-    if ticks[-1] < hi:
-        ticks.append(ticks[-1] + step)
-    return ticks
-
-
-def _log_ticks(lo: float, hi: float) -> list[float]:
-    """Powers of ten around ``lo .. hi`` (with 2 and 5 between them over few decades)."""
-    first, last = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
-    last = max(last, first + 1)
-    steps = (1,) if last - first > 3 else (1, 2, 5)
-    ticks = [m * 10.0**e for e in range(first, last + 1) for m in steps]
-    inside = [t for t in ticks if lo <= t <= hi]
-    below = [t for t in ticks if t < lo] or [ticks[0]]
-    above = [t for t in ticks if t > hi] or [ticks[-1]]
-    return [below[-1], *inside, above[0]] if inside else [below[-1], above[0]]
-
-
-def _fmt(v: float) -> str:
-    a = abs(v)
-    if a and (a >= 1e5 or a < 1e-3):
-        return f"{v:.2g}"
-    return f"{v:.4g}"
-
-
 def plot_front(points: Sequence[tuple[float, float]], front: Sequence[int], path: str | Path,
                *, xlabel: str, ylabel: str, title: str = "",
                labels: Sequence[str] | None = None, size: tuple[int, int] = (720, 480),
-               log_x: bool | None = None) -> Path:
+               log_x: bool | None = None, marked: int | None = None) -> Path:
     """Scatter ``points`` ``(x, y)`` (grey) with the ``front`` indices highlighted and joined
-    (orange, labelled with ``labels[i]``), axes ticked and labelled; written as a PNG.
+    (orange, labelled with ``labels[i]``), axes ticked and labelled, a legend; written as a
+    PNG. ``marked``: the index of a chosen point, ringed in red ("chosen" in the legend).
 
     ``log_x``: a logarithmic x axis; by default when every x is positive and they span
     more than a factor of 20 (costs often span orders of magnitude)."""
-    from PIL import Image, ImageDraw, ImageFont
+    from PIL import Image, ImageDraw
 
-    try:
-        font = ImageFont.load_default(size=13)
-    except TypeError:  # Pillow without FreeType sizes
-        font = ImageFont.load_default()
+    font = load_font()
     width, height = size
-    left, right, top, bottom = 90, 45, 40 if title else 20, 60
     img = Image.new("RGB", size, "white")
-    draw = ImageDraw.Draw(img)
     xs = [p[0] for p in points] or [0.0]
     ys = [p[1] for p in points] or [0.0]
     if log_x is None:
         log_x = min(xs) > 0 and max(xs) > 20 * min(xs)
     if log_x and min(xs) <= 0:
         raise ValueError("a logarithmic x axis needs positive x values")
-    fx = math.log10 if log_x else float
-    xt = _log_ticks(min(xs), max(xs)) if log_x else _nice_ticks(min(xs), max(xs))
-    yt = _nice_ticks(min(ys), max(ys))
-    x0, x1, y0, y1 = fx(xt[0]), fx(xt[-1]), yt[0], yt[-1]
-
-    def px(x: float, y: float) -> tuple[float, float]:
-        u = left + (fx(x) - x0) / (x1 - x0) * (width - left - right)
-        v = height - bottom - (y - y0) / (y1 - y0) * (height - top - bottom)
-        return u, v
-
-    draw.rectangle([left, top, width - right, height - bottom], outline="black")
-    for t in xt:
-        u, _ = px(t, y0)
-        draw.line([u, height - bottom, u, height - bottom + 5], fill="black")
-        draw.line([u, top, u, height - bottom], fill=(235, 235, 235))
-        draw.text((u, height - bottom + 8), _fmt(t), fill="black", font=font, anchor="mt")
-    for t in yt:
-        _, v = px(x0, t)
-        draw.line([left - 5, v, left, v], fill="black")
-        draw.line([left, v, width - right, v], fill=(235, 235, 235))
-        draw.text((left - 8, v), _fmt(t), fill="black", font=font, anchor="rm")
-    draw.text(((left + width - right) / 2, height - 18), xlabel, fill="black", font=font,
-              anchor="mm")
-    box = draw.textbbox((0, 0), ylabel, font=font)
-    label = Image.new("RGB", (box[2] - box[0] + 4, box[3] - box[1] + 6), "white")
-    ImageDraw.Draw(label).text((2, 1), ylabel, fill="black", font=font)
-    label = label.rotate(90, expand=True)
-    img.paste(label, (8, int((top + height - bottom) / 2 - label.height / 2)))
-    if title:
-        draw.text((width / 2, 18), title, fill="black", font=font, anchor="mm")
-    on_front = sorted(front, key=lambda i: points[i])
-    line = [px(*points[i]) for i in on_front]
+    if marked is not None and not 0 <= marked < len(points):
+        raise ValueError(f"marked point {marked} is not one of the {len(points)} points")
+    axes = Axes((90, 40 if title else 20, width - 45, height - 60),
+                log_ticks(min(xs), max(xs)) if log_x else nice_ticks(min(xs), max(xs)),
+                nice_ticks(min(ys), max(ys)), log_x=log_x)
+    axes.draw(img, xlabel, ylabel, title, font=font)
+    draw = ImageDraw.Draw(img)
+    on_front = set(front)
+    line = [axes.px(*points[i]) for i in sorted(front, key=lambda i: points[i])]
     if len(line) > 1:
-        draw.line(line, fill=(230, 120, 20), width=2)
+        draw.line(line, fill=FRONT_COLOR, width=2)
     for i, p in enumerate(points):
-        u, v = px(*p)
-        color = (230, 120, 20) if i in set(front) else (150, 150, 150)
+        u, v = axes.px(*p)
+        color = FRONT_COLOR if i in on_front else OTHER_COLOR
         draw.ellipse([u - 5, v - 5, u + 5, v + 5], fill=color, outline="black")
-        if labels is not None and i in set(front):
+        if labels is not None and i in on_front:
             draw.text((u + 7, v - 7), labels[i], fill="black", font=font, anchor="lb")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    img.save(path, format="PNG")
-    return path
+    if marked is not None:
+        u, v = axes.px(*points[marked])
+        draw.ellipse([u - 10, v - 10, u + 10, v + 10], outline=MARKED_COLOR, width=3)
+    items = [LegendItem("trial", OTHER_COLOR, "dot"), LegendItem("Pareto front", FRONT_COLOR,
+                                                                 "dot")]
+    if marked is not None:
+        items.append(LegendItem("chosen", MARKED_COLOR, "ring"))
+    corner = quiet_corner(axes.box, legend_size(items, font), [axes.px(*p) for p in points])
+    draw_legend(img, items, corner, font)
+    return save_png(img, path)

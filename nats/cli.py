@@ -136,6 +136,21 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _analyze(args: argparse.Namespace) -> int:
+    from nats.analysis.report import analyze
+
+    text = None
+    if args.text is not None:
+        try:
+            text = Path(args.text).read_text(encoding="utf-8", errors="replace")
+        except OSError as e:
+            raise ValueError(f"--text {args.text}: {e.strerror or e}") from None
+    path = analyze(args.source, args.out, text=text, tokenizer=args.tokenizer,
+                   batches=args.batches, device=args.device)
+    print(f"nats: wrote the report to {path} (pictures and tokens.html beside it)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from nats.kernels.bench import BenchShape
     from nats.trainers import PRESETS, TASKS, MQARTask, NeedleTask
@@ -236,6 +251,23 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--force", action="store_true",
                         help="write into a non-empty --out, replacing the exported files")
     export.set_defaults(func=_export)
+
+    analyze = sub.add_parser(
+        "analyze", help="an HTML report of a model's routes and costs, or of a search")
+    analyze.add_argument("source", metavar="RUN_OR_SEARCH_DIR",
+                         help="a run folder, checkpoint file, saved/exported model folder or "
+                              "search folder")
+    analyze.add_argument("--out", required=True, help="folder for report.html and its pictures")
+    analyze.add_argument("--text", metavar="FILE",
+                         help="a text file to show routes on (default: the run's first "
+                              "evaluation sequence; for a model folder, stdlib prose)")
+    analyze.add_argument("--tokenizer", metavar="DIR",
+                         help="tokenizer.json for --text when the model is not byte-level "
+                              "(a text run's own tokenizer is used without it)")
+    analyze.add_argument("--batches", type=int,
+                         help="evaluation batches for the statistics (default: the run's)")
+    analyze.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:N")
+    analyze.set_defaults(func=_analyze)
 
     from nats.search_spaces.cli import add_search_parser
 

@@ -3,7 +3,8 @@
 A search folder ``DIR`` holds ``search.json`` (the settings, space and base config: all a
 resume needs), ``trials/<trial_id>/`` (each trial's run folder: TensorBoard events,
 checkpoints, the model, and ``search_trial.json``, its parameters and latest metrics),
-``tune/`` (Ray Tune's experiment state, for ``Tuner.restore``), and at the end
+``tune/`` (Ray Tune's experiment state, for ``Tuner.restore``), the Optuna study
+(``optuna_study.journal`` unless ``--optuna-storage`` names another place), and at the end
 ``results.csv``, ``pareto.json``, ``pareto.png`` and ``export/``.
 """
 
@@ -31,6 +32,9 @@ from .spaces import DefineByRun, SearchSpace, check_space_fits, space_from_dict
 SETTINGS_FILE = "search.json"
 TRIAL_FILE = "search_trial.json"
 TUNE_NAME = "tune"
+STUDY_FILE = "optuna_study.journal"
+"""The Optuna study's journal file in the search folder when ``--optuna-storage`` is not
+given: kept so that ``nats analyze`` can read parameter importances afterwards."""
 SAMPLERS = ("tpe", "nsga2")
 
 
@@ -280,6 +284,25 @@ def _optuna_storage(url: str | None) -> Any:
     return JournalStorage(JournalFileBackend(str(Path(url).resolve())))
 
 
+def study_storage(settings: SearchSettings, out: Path) -> str:
+    """Where the search in ``out`` keeps its Optuna study: ``--optuna-storage``, else the
+    journal file :data:`STUDY_FILE` in ``out``."""
+    return settings.optuna_storage or str(Path(out).resolve() / STUDY_FILE)
+
+
+def load_study(out: str | Path) -> Any:
+    """The Optuna study of the search in ``out``; ``FileNotFoundError`` when it was not kept
+    (a search from before studies were kept by default, without ``--optuna-storage``)."""
+    import optuna
+
+    out = Path(out)
+    settings = SearchSettings.load(out)
+    where = study_storage(settings, out)
+    if "://" not in where and not Path(where).is_file():
+        raise FileNotFoundError(f"{out} kept no Optuna study ({where} is missing)")
+    return optuna.load_study(study_name=settings.study_name, storage=_optuna_storage(where))
+
+
 def _sampler(settings: SearchSettings) -> Any:
     import optuna
 
@@ -318,7 +341,7 @@ def _tuner(settings: SearchSettings, out: Path) -> Any:
                             metric=metrics if len(metrics) > 1 else metrics[0],
                             mode=modes if len(modes) > 1 else modes[0],
                             sampler=_sampler(settings),
-                            storage=_optuna_storage(settings.optuna_storage),
+                            storage=_optuna_storage(study_storage(settings, out)),
                             study_name=settings.study_name)
     scheduler = None
     if settings.asha:

@@ -1,0 +1,415 @@
+"""``nats analyze``: one self-contained HTML report of a trained model or of a search.
+
+A model (a run folder, a checkpoint file, or a saved/exported model folder) gets: the
+routing map of one input through every layer, the token-level view of that input, routing
+statistics over the evaluation set (softmax fraction per layer and head, the scorer's
+probabilities, task-relevant chunks against the base rate) and the cost against context
+length beside all-softmax and all-linear. A search folder gets the Pareto front with the
+chosen trial marked, parameter importances, the front as a table, and the model report of
+the chosen trial. Pictures are also written as PNG files beside ``report.html``, which
+embeds them as data URIs: the page needs no network and no other file.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from .cost_model import compare_costs, fractions_from_measurement
+from .cost_view import COST_METRICS, VARIANTS, cost_figure, cost_rows
+from .plotting import format_si, format_tokens, histogram, save_png
+from .route_stats import BINS, LayerRouteStats, RelevantFn, collect_route_stats
+from .routing_maps import routing_figure
+from .token_view import TOKEN_VIEW_CSS, token_pieces, token_view_html, token_view_page
+
+REPORT_FILE = "report.html"
+SEARCH, RUN, CHECKPOINT, MODEL = "search", "run", "checkpoint", "model"
+MAX_TEXT_TOKENS = 1024
+"""A ``--text`` input is cut to this many tokens (the token view shows every one)."""
+TABLE_CONTEXTS = (1024, 4096, 16384, 65536, 262144, 1048576)
+"""Context lengths of the cost table (the picture shows 1K .. 1M in powers of two)."""
+
+
+def detect_source(path: str | os.PathLike) -> str:
+    """``"search"``, ``"run"``, ``"checkpoint"`` or ``"model"`` (a folder written by
+    ``save_pretrained`` or ``nats export``); a one-line error for anything else."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p} does not exist: give a run folder, a checkpoint file, a "
+                                "saved or exported model folder, or a search folder")
+    if p.is_file():
+        return CHECKPOINT
+    if (p / "search.json").is_file():
+        return SEARCH
+    if (p / "train_config.json").is_file():
+        return RUN
+    if (p / "config.json").is_file() and (p / "model.safetensors").is_file():
+        return MODEL
+    raise ValueError(f"{p} is neither a run folder (train_config.json), a model folder "
+                     "(config.json and model.safetensors) nor a search folder (search.json)")
+
+
+@dataclass
+class ModelInput:
+    """A model and the data to analyse it on."""
+
+    model: Any
+    """:class:`nats.NatsForCausalLM`."""
+    origin: str
+    batches: list[tuple[torch.Tensor, torch.Tensor]]
+    """Evaluation batches for the statistics."""
+    description: str
+    """What the batches are, for the report."""
+    display: torch.Tensor
+    """``[T]`` token ids of the input the routing map and the token view show."""
+    display_is_first: bool = False
+    """``display`` is the first sequence of ``batches`` (its routes come from that pass)."""
+    tokenizer: Any = None
+    """Turns ``display`` into text; ``None``: token ids are shown."""
+    relevant: RelevantFn | None = None
+    display_relevant: list[bool] | None = None
+
+
+def _text_batches(text: str, tokenizer: Any, vocab_size: int,
+                  ) -> tuple[torch.Tensor, str]:
+    ids = tokenizer.encode(text)[:MAX_TEXT_TOKENS]
+    if not ids:
+        raise ValueError("--text holds no tokens")
+    if max(ids) >= vocab_size:
+        raise ValueError(f"--text: the model's vocabulary has {vocab_size} tokens, the text's "
+                         f"tokens reach {max(ids)}; give the tokenizer the model was trained "
+                         "with (--tokenizer)")
+    return torch.tensor(ids), f"the given text ({len(ids)} tokens)"
+
+
+def load_model_input(source: str | os.PathLike, *, text: str | None = None,
+                     tokenizer: str | None = None, batches: int | None = None,
+                     device: str = "cpu") -> ModelInput:
+    """The model of a run, checkpoint or model folder, with its evaluation data.
+
+    Runs and checkpoints evaluate on the run's fixed evaluation batches (``batches`` of
+    them, default the run's count) and show the first sequence, or ``text`` when given
+    (through the run's tokenizer, else UTF-8 bytes). A model folder has no evaluation data:
+    it is analysed on ``text`` (default: a stretch of English prose from the standard
+    library, for byte-level models)."""
+    from nats import NatsForCausalLM
+    from nats.export import load_source
+    from nats.trainers import build_batches, load_tokenizer, resolve_device
+
+    if batches is not None and (isinstance(batches, bool) or batches < 1):
+        raise ValueError(f"--batches {batches!r}: must be an integer >= 1")
+    kind = detect_source(source)
+    dev = resolve_device(device)
+    if kind == MODEL:
+        model = NatsForCausalLM.from_pretrained(source, device=dev)
+        tok = load_tokenizer(tokenizer)
+        if text is None:
+            if model.config.vocab_size < 256 and tokenizer is None:
+                raise ValueError(f"{source} is a model with a {model.config.vocab_size}-token "
+                                 "vocabulary and no evaluation data: give --text with "
+                                 "--tokenizer, or analyse its run folder")
+            text = default_text()
+        ids, described = _text_batches(text, tok, model.config.vocab_size)
+        return ModelInput(model.eval(), f"model folder {source}",
+                          [(ids[None], torch.full_like(ids[None], -100))], described, ids, True,
+                          tok)
+    if kind == SEARCH:
+        raise ValueError(f"{source} is a search folder; analyse it with analyze_search")
+    loaded = load_source(source, dev)
+    tc = loaded.train_config
+    data = build_batches(tc)
+    count = tc.eval_batches if batches is None else batches
+    eval_batches = data.eval(count)
+    relevant = getattr(data.eval_source, "relevant_positions", None)
+    described = (f"the run's first {count} evaluation batch(es) of {tc.batch_size} x "
+                 f"{tc.seq_len} tokens (task {tc.task!r})")
+    tok = load_tokenizer(tc.tokenizer) if tc.task == "text" else None
+    if text is not None:
+        tok = tok or load_tokenizer(tokenizer)
+        ids, _ = _text_batches(text, tok, tc.model.vocab_size)
+        return ModelInput(loaded.model.eval(), loaded.origin, eval_batches, described, ids,
+                          False, tok, relevant)
+    ids, labels = eval_batches[0]
+    shown = relevant(ids[:1], labels[:1])[0].tolist() if relevant is not None else None
+    return ModelInput(loaded.model.eval(), loaded.origin, eval_batches, described, ids[0], True,
+                      tok, relevant, shown)
+
+
+def default_text() -> str:
+    """English prose that every Python installation carries (``pydoc_data.topics``): the
+    language reference's text on the ``with`` statement, or the first topic."""
+    from pydoc_data.topics import topics
+
+    return topics.get("with", next(iter(topics.values())))
+
+
+# -- the report ------------------------------------------------------------------------------
+
+
+@dataclass
+class Report:
+    """Sections of HTML and the PNG files written beside the report."""
+
+    out: Path
+    sections: list[str] = field(default_factory=list)
+    files: list[Path] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)
+    """Machine-readable numbers, written as ``report.json``."""
+
+    def image(self, img: Image.Image, name: str, alt: str) -> str:
+        """Save ``img`` as ``out/name`` and return an ``<img>`` that embeds it."""
+        return self.embed(save_png(img, self.out / name), alt)
+
+    def embed(self, png: Path, alt: str) -> str:
+        """An ``<img>`` holding the PNG file ``png`` as a data URI (listed in ``files``)."""
+        self.files.append(png)
+        with Image.open(png) as img:
+            width = img.width
+        data = base64.b64encode(png.read_bytes()).decode("ascii")
+        return (f'<img src="data:image/png;base64,{data}" alt="{html.escape(alt)}" '
+                f'width="{width}">')
+
+    def add(self, title: str, *parts: str) -> None:
+        self.sections.append(f"<section><h2>{html.escape(title)}</h2>{''.join(parts)}"
+                             "</section>")
+
+
+def html_table(columns: Sequence[str], rows: Sequence[Sequence[Any]],
+               groups: Sequence[tuple[str, int]] = (), css_class: str = "") -> str:
+    """An escaped table; ``groups``: an upper header row of ``(title, columns spanned)``."""
+    upper = ("<tr>" + "".join(f'<th colspan="{n}">{html.escape(g)}</th>' for g, n in groups)
+             + "</tr>") if groups else ""
+    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in r) + "</tr>"
+                   for r in rows)
+    cls = f' class="{css_class}"' if css_class else ""
+    return f"<table{cls}><thead>{upper}<tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _p(text: str) -> str:
+    return f"<p>{html.escape(text)}</p>"
+
+
+def _rate(v: float | None) -> str:
+    return "" if v is None else f"{v:.3f}"
+
+
+def _stats_section(report: Report, stats: dict[int, LayerRouteStats], prefix: str,
+                   has_relevant: bool) -> None:
+    columns = ["layer", "head", "softmax fraction (tokens)", "softmax rate, all chunks"]
+    if has_relevant:
+        columns += ["relevant chunks", "softmax rate, relevant chunks",
+                    "softmax rate, other chunks", "relevant / base"]
+    rows = []
+    for i, s in sorted(stats.items()):
+        rel, other = s.relevant_rate, s.other_rate
+        for h in range(s.heads):
+            row: list[Any] = [i, h, f"{s.softmax_fraction[h]:.3f}", f"{s.base_rate[h]:.3f}"]
+            if has_relevant:
+                ratio = (f"{rel[h] / s.base_rate[h]:.2f}" if rel is not None and s.base_rate[h]
+                         else "")
+                row += [s.relevant_chunks, _rate(None if rel is None else rel[h]),
+                        _rate(None if other is None else other[h]), ratio]
+            rows.append(row)
+    edges = [b / BINS for b in range(BINS + 1)]
+    images = [report.image(histogram(edges, s.prob_hist.sum(0).tolist(),
+                                     xlabel="scorer's softmax probability of a chunk",
+                                     ylabel="chunks (all heads)",
+                                     title=f"layer {i}: route probabilities"),
+                           f"{prefix}route_probs_layer{i}.png",
+                           f"histogram of layer {i}'s route probabilities")
+              for i, s in sorted(stats.items())]
+    relevant_note = (
+        "A chunk is relevant when it holds a task-relevant position (MQAR: the pairs that "
+        "are queried; needle: the needle). Its route decides whether those keys stay in the "
+        "KV cache (softmax) for the later query, or are folded into the linear state. "
+        "'relevant / base' above 1 means the scorer keeps relevant chunks in softmax more "
+        "often than chunks in general." if has_relevant else
+        "The data has no task-relevant positions (only the MQAR and needle tasks mark them).")
+    report.add("Routing statistics", _p(
+        "Softmax fraction: the share of tokens in chunks routed to softmax attention. "
+        "Rates: the share of chunks routed to softmax. " + relevant_note),
+        html_table(columns, rows), '<div class="row">', *images, "</div>")
+    report.data[f"{prefix}route_stats"] = [
+        {"layer": i, "softmax_fraction": s.softmax_fraction.tolist(),
+         "base_rate": s.base_rate.tolist(), "relevant_chunks": s.relevant_chunks,
+         "relevant_rate": None if s.relevant_rate is None else s.relevant_rate.tolist(),
+         "other_rate": None if s.other_rate is None else s.other_rate.tolist(),
+         "chunks": s.chunks, "prob_hist": s.prob_hist.tolist()}
+        for i, s in sorted(stats.items())]
+
+
+def _cost_section(report: Report, config: Any, fractions: tuple[float | None, ...],
+                  prefix: str) -> None:
+    curves = compare_costs(config, fractions)
+    img = report.image(cost_figure(curves), f"{prefix}cost.png", "cost against context length")
+    table_curves = compare_costs(config, fractions, contexts=TABLE_CONTEXTS)
+    rows = cost_rows(table_curves)
+    columns = ["context"] + [v for _ in COST_METRICS for v in VARIANTS]
+    groups = [("", 1)] + [(m.title.split(" (")[0], len(VARIANTS)) for m in COST_METRICS]
+    body = [[format_tokens(r["context"])] + [format_si(r[f"{v}/{m.key}"]) for m in COST_METRICS
+                                             for v in VARIANTS] for r in rows]
+    shown = ", ".join(f"layer {i}: {f:.3f}" for i, f in enumerate(fractions) if f is not None)
+    report.add("Cost against context length", _p(
+        "Token-mixer cost of this architecture with the measured softmax fractions "
+        f"({shown or 'no NAtS-L layer'}), beside the same model with every layer plain "
+        "softmax attention or plain Gated DeltaNet (batch 1, bf16 KV cache, fp32 state; "
+        "formulas in nats.analysis.cost_model). FLOPs are per token, averaged over a sequence "
+        "of the context length; KV cache and state are what decoding holds after it."),
+        img, html_table(columns, body, groups))
+    report.data[f"{prefix}cost"] = cost_rows(curves)
+
+
+def model_sections(report: Report, inp: ModelInput, prefix: str = "",
+                   progress: bool = True) -> None:
+    """The model part of a report: architecture, routing map, token view, statistics,
+    cost. ``prefix`` names its files apart (a search's chosen trial)."""
+    cfg = inp.model.config
+    arch = [["layers", ", ".join(f"{i}: {t}" for i, t in enumerate(cfg.layer_types))],
+            ["chunk size", cfg.chunk_size],
+            ["routing heads", f"{cfg.n_heads} per layer, each 1 linear head (d_k "
+                              f"{cfg.head_dim_k}, d_v {cfg.head_dim_v}) and "
+                              f"{cfg.softmax_heads_per_head} softmax heads"],
+            ["d_model / vocabulary", f"{cfg.d_model} / {cfg.vocab_size}"],
+            ["analysed on", inp.description]]
+    report.add("Model", _p(f"From {inp.origin}."),
+               html_table(["", ""], arch, css_class="plain"))
+    if not cfg.layers_of("nats"):
+        report.add("Routing", _p("This model has no NAtS-L layer: there are no routes to "
+                                 "show. Its cost is below."))
+        _cost_section(report, cfg, (None,) * cfg.n_layers, prefix)
+        return
+    first: list[Any] = []
+    stats = collect_route_stats(inp.model, inp.batches, inp.relevant, progress=progress,
+                                on_output=lambda n, o: first.append(o) if n == 0 else None)
+    if inp.display_is_first:
+        out = first[0]
+        routes = [r[:1] if r is not None else None for r in out.routes]
+        probs = [p[:1] if p is not None else None for p in out.probs]
+    else:
+        with torch.no_grad():
+            out = inp.model(inp.display[None].to(inp.model.embed.weight.device))
+        routes, probs = out.routes, out.probs
+    seq_len = inp.display.numel()
+    fig = routing_figure(routes, cfg.layer_types, cfg.chunk_size, seq_len,
+                         title=f"routes of the shown input ({seq_len} tokens)")
+    report.add("Routing map", _p(
+        "One input through every layer: each cell is a chunk of one routing head. Softmax "
+        "chunks stay in the KV cache for the queries after them; linear chunks are written "
+        "into the recurrent state. The bars give each layer's softmax fraction on this "
+        "input."), report.image(fig, f"{prefix}routing_map.png", "routing map"))
+    pieces = token_pieces(inp.display.tolist(), inp.tokenizer)
+    routes = [r[0] if r is not None else None for r in routes]
+    probs = [p[0] if p is not None else None for p in probs]
+    view = token_view_html(pieces, routes, cfg.chunk_size, probs, inp.display_relevant,
+                           view_id=f"{prefix}tv")
+    page = token_view_page(pieces, routes, cfg.chunk_size, probs, inp.display_relevant,
+                           title=f"Token routes: {inp.origin}")
+    (report.out / f"{prefix}tokens.html").write_text(page, encoding="utf-8")
+    report.files.append(report.out / f"{prefix}tokens.html")
+    shown = "its text" if inp.tokenizer is not None else "its token ids"
+    report.add("Token view", _p(f"The same input, {shown}, each chunk coloured by its route "
+                                "in the chosen layer and routing head."), view)
+    _stats_section(report, stats, prefix, inp.relevant is not None)
+    measured = {i: float(s.softmax_tokens.sum()) / (s.tokens * s.heads)
+                for i, s in stats.items()}
+    _cost_section(report, cfg, fractions_from_measurement(cfg, measured), prefix)
+
+
+def search_sections(report: Report, source: Path) -> str | None:
+    """The search part of a report; returns the chosen trial's id (``None``: no trial
+    finished)."""
+    from .search_view import front_figure, front_table, importance_figure, load_search_view
+
+    view = load_search_view(source)
+    r = view.results
+    done = sum(row["status"] == "done" for row in r.rows)
+    report.add("Search", _p(
+        f"{len(r.rows)} trials ({done} finished) of space {r.settings.space.get('name')!r}, "
+        f"objectives {' and '.join(f'{k} ({m})' for k, m in zip(r.keys, r.modes, strict=True))}"
+        f", cost at {r.settings.context} tokens."))
+    if r.front:
+        embedded = report.embed(front_figure(view, report.out / "pareto.png"), "Pareto front")
+        columns, rows = front_table(view)
+        report.add("Pareto front", _p("Every finished trial; the front joined and numbered "
+                                      "as in the table; * and the red ring: the chosen "
+                                      "trial (best quality on the front), analysed below."),
+                   embedded, html_table(columns, rows))
+    else:
+        report.add("Pareto front", _p("No trial finished with both objectives measured."))
+    imp = importance_figure(view)
+    if imp is not None:
+        report.add("Parameter importance", _p(
+            "Optuna's parameter importances (its default evaluator) over the completed "
+            "trials of the study, per objective."),
+            report.image(imp, "importance.png", "parameter importance"))
+    else:
+        report.add("Parameter importance", _p(f"Not available: {view.importance_note}."))
+    report.data["front"] = view.front_rows
+    report.data["importances"] = view.importances
+    return None if view.chosen is None else r.rows[view.chosen]["trial_id"]
+
+
+def analyze(source: str | os.PathLike, out_dir: str | os.PathLike, *, text: str | None = None,
+            tokenizer: str | None = None, batches: int | None = None, device: str = "cpu",
+            progress: bool = True) -> Path:
+    """Write ``out_dir/report.html`` (and its pictures, ``tokens.html``, ``report.json``)
+    for a model or a search; returns the report's path."""
+    kind = detect_source(source)
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file, not a folder")
+    out.mkdir(parents=True, exist_ok=True)
+    report = Report(out)
+    title = f"nats analysis of {source}"
+    if kind == SEARCH:
+        trial = search_sections(report, Path(source))
+        if trial is not None:
+            inp = load_model_input(Path(source) / "trials" / trial, text=text,
+                                   tokenizer=tokenizer, batches=batches, device=device)
+            report.sections.append(f"<h1>Chosen trial {html.escape(trial)}</h1>")
+            model_sections(report, inp, prefix="chosen_", progress=progress)
+    else:
+        inp = load_model_input(source, text=text, tokenizer=tokenizer, batches=batches,
+                               device=device)
+        model_sections(report, inp, progress=progress)
+    (out / "report.json").write_text(json.dumps(report.data, indent=2, default=_jsonable))
+    path = out / REPORT_FILE
+    path.write_text(render_page(title, report.sections), encoding="utf-8")
+    return path
+
+
+def _jsonable(v: Any) -> Any:
+    if hasattr(v, "tolist"):
+        return v.tolist()
+    return str(v)
+
+
+PAGE_CSS = """
+body { font-family: -apple-system, Segoe UI, Helvetica, Arial, sans-serif; margin: 24px auto;
+  max-width: 1100px; padding: 0 16px; color: #222; }
+h1 { font-size: 24px; } h2 { font-size: 19px; border-bottom: 1px solid #ddd; padding: 4px 0; }
+table { border-collapse: collapse; margin: 8px 0 16px; font-size: 13px; }
+th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: right; }
+th { background: #f3f3f3; } td:first-child, th:first-child { text-align: left; }
+table.plain td { text-align: left; } table.plain thead { display: none; }
+img { max-width: 100%; height: auto; display: block; margin: 8px 0; }
+.row { display: flex; flex-wrap: wrap; gap: 12px; } .row img { max-width: 48%; }
+section { margin-bottom: 28px; overflow-x: auto; }
+"""
+
+
+def render_page(title: str, sections: Sequence[str]) -> str:
+    """The whole report page: inline CSS, the sections, nothing fetched."""
+    return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}"
+            f"</title><style>{PAGE_CSS}{TOKEN_VIEW_CSS}</style></head><body>"
+            f"<h1>{html.escape(title)}</h1>{''.join(sections)}</body></html>\n")
