@@ -95,12 +95,15 @@ def plot_front(points: Sequence[tuple[float, float]], front: Sequence[int], path
     line = [axes.px(*points[i]) for i in sorted(front, key=lambda i: points[i])]
     if len(line) > 1:
         draw.line(line, fill=FRONT_COLOR, width=2)
+    texts: dict[tuple[float, float], list[str]] = {}  # equal points share one label
     for i, p in enumerate(points):
         u, v = axes.px(*p)
         color = FRONT_COLOR if i in on_front else OTHER_COLOR
         draw.ellipse([u - 5, v - 5, u + 5, v + 5], fill=color, outline="black")
-        if labels is not None and i in on_front:
-            draw.text((u + 7, v - 7), labels[i], fill="black", font=font, anchor="lb")
+        if labels is not None and i in on_front and labels[i]:
+            texts.setdefault((u, v), []).append(labels[i])
+    for (u, v), names in texts.items():
+        draw.text((u + 7, v - 7), ", ".join(names), fill="black", font=font, anchor="lb")
     if marked is not None:
         u, v = axes.px(*points[marked])
         draw.ellipse([u - 10, v - 10, u + 10, v + 10], outline=MARKED_COLOR, width=3)

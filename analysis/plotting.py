@@ -283,7 +283,7 @@ def bar_chart(labels: Sequence[str], values: Sequence[float], *, xlabel: str, ti
     img = Image.new("RGB", (width, height), "white")
     top = 40 if title else 20
     axes = Axes((label_w + 10, top, width - 70, height - 70), [0.0, 1.0], [0.0, 1.0])
-    ticks = nice_ticks(0.0, max([*values, 0.0]) or 1.0)
+    ticks = nice_ticks(0.0, 1.15 * max([*values, 0.0]) or 1.0)  # room for the value labels
     axes = Axes(axes.box, ticks, [0.0, float(max(1, len(labels)))])
     axes.draw(img, xlabel, "", title, xfmt=format_tick, yfmt=lambda _: "", font=font)
     draw = ImageDraw.Draw(img)

@@ -119,8 +119,10 @@ def front_table(view: SearchView) -> tuple[list[str], list[list[str]]]:
     trial): the trial, its architecture, the searched parameters and both objectives."""
     r = view.results
     keys = [*r.keys, "eval/attn_frac"]
-    params = sorted({k for row in view.front_rows for k in row if k.startswith("param/")})
-    columns = ["#", "trial_id", "chunk_size", "layer_types", *params, *keys]
+    shown = ("chunk_size", "layer_types")
+    params = sorted({k for row in view.front_rows for k in row
+                     if k.startswith("param/") and k.removeprefix("param/") not in shown})
+    columns = ["#", "trial_id", *shown, *params, *keys]
     body = []
     for n, i in enumerate(r.front, 1):
         row = r.rows[i]
