@@ -89,6 +89,7 @@ def hybrid_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     normaliser); see :func:`reference.hybrid_linear_attention`. Every backend runs the same
     composition over its own gated linear attention."""
     gla = _implementation(backend, q, "hybrid_gated_linear_attention")
+    aligned = 1 if resolve_backend(backend, q) == "reference" else 64
     return normalised_linear_attention(gla, q, k, v, routes, chunk_size, initial_state,
                                        output_final_state, eps=eps, route_grad=route_grad,
-                                       cu_seqlens=cu_seqlens)
+                                       cu_seqlens=cu_seqlens, width_multiple=aligned)

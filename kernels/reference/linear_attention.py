@@ -34,20 +34,31 @@ def normalised_linear_attention(gla: GatedLinearAttention, q: torch.Tensor, k: t
                                 initial_state: torch.Tensor | None = None,
                                 output_final_state: bool = False, *, eps: float = 1e-6,
                                 route_grad: RouteGrad = "selected",
-                                cu_seqlens: torch.Tensor | None = None,
+                                cu_seqlens: torch.Tensor | None = None, width_multiple: int = 1,
                                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Linear attention through ``gla`` (a ``hybrid_gated_linear_attention`` of any
-    backend), so that every backend shares this one composition."""
+    backend), so that every backend shares this one composition.
+
+    ``width_multiple``: the values ``[v, 1]`` (and the state) are zero-padded to a multiple
+    of it inside, which changes nothing but speed: the Triton kernels load rows of 129
+    columns unaligned; padded to 192 they ran 3.66 / 12.2 ms forward / forward+backward
+    against 4.45 / 14.9 (H200, bf16, 65,536 tokens, 16 heads of 128), so they get 64.
+    """
     d_v = v.shape[-1]
     if initial_state is not None and initial_state.shape[-1] != d_v + 1:
         raise ValueError(f"initial_state must be [B, H, Dk, Dv + 1] (last column: the "
                          f"normaliser z) with Dv = {d_v}, got {list(initial_state.shape)}")
-    values = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], -1)
+    pad = -(d_v + 1) % width_multiple
+    values = torch.cat([v, v.new_ones(*v.shape[:-1], 1), v.new_zeros(*v.shape[:-1], pad)], -1)
+    if initial_state is not None and pad:
+        initial_state = F.pad(initial_state, (0, pad))
     no_decay = torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)
     o, state = gla(elu_feature_map(q), elu_feature_map(k), values, no_decay, routes,
                    chunk_size, 1.0, initial_state, output_final_state, route_grad=route_grad,
                    cu_seqlens=cu_seqlens)
-    numerator, normaliser = o.to(compute_dtype(o)).split([d_v, 1], -1)
+    numerator, normaliser = o[..., : d_v + 1].to(compute_dtype(o)).split([d_v, 1], -1)
+    if state is not None and pad:
+        state = state[..., : d_v + 1].contiguous()
     return (numerator / (normaliser + eps)).to(v.dtype), state
 
 

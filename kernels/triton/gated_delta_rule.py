@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import torch
 
-from ..reference.chunks import LINEAR, ROUTE_GRADS, RouteGrad, check_chunk_size, check_routes
+from ..reference.chunks import ROUTE_GRADS, RouteGrad
 from .gated_delta_rule_bwd import dqkwg, state_bwd, wy_bwd
 from .gated_delta_rule_fwd import output_fwd, state_fwd, wy_fwd
-from .utils import ChunkMap, check_varlen, chunk_map
+from .utils import ChunkMap, packed, routed_batch
 
 KERNEL_CHUNK = 64
 """Largest kernel chunk: longer routing chunks are walked in pieces of this many tokens."""
@@ -83,26 +83,8 @@ def hybrid_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     """
     batch, seq_len, heads, d_k = _check(q, k, v, g, beta, route_grad)
     d_v = v.shape[-1]
-    check_chunk_size(chunk_size)
-    if cu_seqlens is None:
-        check_routes(routes, batch, seq_len, chunk_size, heads)
-        n_seq = batch
-    else:
-        check_varlen(cu_seqlens, batch, seq_len, routes.shape[1], chunk_size)
-        if routes.dim() != 4 or routes.shape[0] != 1 or routes.shape[2:] != (heads, 2):
-            raise ValueError(f"packed routes must be [1, N_total, {heads}, 2], got "
-                             f"{list(routes.shape)}")
-        n_seq = cu_seqlens.numel() - 1
-    if initial_state is not None and initial_state.shape != (n_seq, heads, d_k, d_v):
-        raise ValueError(f"initial_state must be [{n_seq}, {heads}, {d_k}, {d_v}] (one state "
-                         f"per sequence), got {list(initial_state.shape)}")
-    cmap = chunk_map(batch, seq_len, routes.shape[0] * routes.shape[1], chunk_size, q.device,
-                     cu_seqlens)
-
-    def packed(x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(1, batch * seq_len, *x.shape[2:]).contiguous()
-
-    z = routes[..., LINEAR].reshape(-1, heads).contiguous()
+    cmap, z = routed_batch(batch, seq_len, heads, d_k, d_v, routes, chunk_size, initial_state,
+                           cu_seqlens)
     o, final_state = _HybridGatedDeltaRule.apply(
         packed(q), packed(k), packed(v), packed(g), packed(beta), z,
         None if initial_state is None else initial_state.contiguous(), cmap, chunk_size,

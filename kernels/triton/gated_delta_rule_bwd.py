@@ -32,7 +32,7 @@ from .gated_delta_rule_fwd import (
     slot_bounds,
     store_rows,
 )
-from .utils import empty
+from .utils import empty, is_power_of_two
 
 FUSE_DV_LOCAL = False
 """With one kernel chunk per routing chunk, form ``M^T do`` inside :func:`state_bwd` (off
@@ -57,11 +57,18 @@ def grad_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if HALF_GRADS else torch.float32
 
 
+def value_block(d_v: int) -> int:
+    """All value columns in one block where ``Dv`` is a power of two, else blocks of 64."""
+    return d_v if is_power_of_two(d_v) else 64
+
+
 @triton.autotune(configs=_configs(), key=["K", "V", "BT"])
 @triton.jit
 def _dv_local_kernel(q, k, do, gc, dv, scale, cu, chunk_offsets, chunk_seq,
                      H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                     R: tl.constexpr, PREC: tl.constexpr):
+                     R: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """``BV = V`` where ``V`` is a power of two (one block); otherwise blocks of 64 (the
+    ``Dv + 1`` of linear attention), unrolled."""
     i_s, i_h = tl.program_id(0), tl.program_id(1)
     _, t0, eos = slot_bounds(i_s, cu, chunk_offsets, chunk_seq, R, BT)
     if t0 >= eos:
@@ -69,15 +76,17 @@ def _dv_local_kernel(q, k, do, gc, dv, scale, cu, chunk_offsets, chunk_seq,
     o_i = tl.arange(0, BT)
     o_t = t0 + o_i
     m_t = o_t < eos
-    o_k, o_v = tl.arange(0, K), tl.arange(0, V)
+    o_k = tl.arange(0, K)
     b_q = load_rows(q, o_t, m_t, i_h, H, K, o_k)
     b_k = load_rows(k, o_t, m_t, i_h, H, K, o_k)
     b_gc = tl.load(gc + o_t * H + i_h, mask=m_t, other=0)
     b_mt = tl.dot(b_k, tl.trans(b_q), input_precision=PREC) * tl.trans(
         causal_decay(b_gc, o_i, 0)) * scale
-    b_do = load_rows(do, o_t, m_t, i_h, H, V, o_v)
-    store_rows(dv, tl.dot(b_mt.to(b_do.dtype), b_do, input_precision=PREC),
-               o_t, m_t, i_h, H, V, o_v)
+    for v0 in tl.static_range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        b_do = load_rows(do, o_t, m_t, i_h, H, V, o_v)
+        store_rows(dv, tl.dot(b_mt.to(b_do.dtype), b_do, input_precision=PREC),
+                   o_t, m_t, i_h, H, V, o_v)
 
 
 @triton.autotune(configs=seq_configs(2), key=["H", "K", "V", "BT", "R", "FUSE_DVL"],
@@ -88,7 +97,9 @@ def _state_bwd_kernel(q, k, w, do, v_new, dv_local, gc, z, h, dh, dv, dz, dgs, d
                       H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                       R: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr,
                       STORE_DH0: tl.constexpr, DZ_MIN: tl.constexpr, FUSE_DVL: tl.constexpr,
-                      PREC: tl.constexpr):
+                      DELTA: tl.constexpr, PREC: tl.constexpr):
+    """``DELTA``: the delta rule (``dh`` loses ``w^T d v_new``); otherwise gated linear
+    attention, whose ``v_new`` are the values and which has no ``w``."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu + i_n).to(tl.int64), tl.load(cu + i_n + 1).to(tl.int64)
@@ -112,7 +123,8 @@ def _state_bwd_kernel(q, k, w, do, v_new, dv_local, gc, z, h, dh, dv, dz, dgs, d
             g_last = tl.load(gc + (tl.minimum(bos + (i_s - c0) * BT + BT, eos) - 1) * H + i_h)
             b_k = load_rows(k, o_t, m_t, i_h, H, K, o_k)
             b_q = load_rows(q, o_t, m_t, i_h, H, K, o_k)
-            b_w = load_rows(w, o_t, m_t, i_h, H, K, o_k)
+            if DELTA:
+                b_w = load_rows(w, o_t, m_t, i_h, H, K, o_k)
             b_do = load_rows(do, o_t, m_t, i_h, H, V, o_v)
             if FUSE_DVL:
                 b_mt = tl.dot(b_k, tl.trans(b_q), input_precision=PREC) * tl.trans(
@@ -137,8 +149,9 @@ def _state_bwd_kernel(q, k, w, do, v_new, dv_local, gc, z, h, dh, dv, dz, dgs, d
                 tl.atomic_add(dgs + i_s * H + i_h,
                               (1.0 - b_z) * tl.exp(g_last) * tl.sum(b_dh * b_start))
             b_qd = (b_q * (tl.exp(b_gc) * scale)[:, None]).to(b_q.dtype)
-            b_dh = (b_dh * tl.exp(g_last) + tl.dot(tl.trans(b_qd), b_do, input_precision=PREC)
-                    - tl.dot(tl.trans(b_w), b_dv.to(b_w.dtype), input_precision=PREC))
+            b_dh = b_dh * tl.exp(g_last) + tl.dot(tl.trans(b_qd), b_do, input_precision=PREC)
+            if DELTA:
+                b_dh -= tl.dot(tl.trans(b_w), b_dv.to(b_w.dtype), input_precision=PREC)
     else:
         for rr in range(c1 - c0):
             r = c1 - 1 - rr
@@ -166,10 +179,11 @@ def _state_bwd_kernel(q, k, w, do, v_new, dv_local, gc, z, h, dh, dv, dz, dgs, d
                     b_dz += tl.sum(tl.dot(b_kd, b_e.to(b_k.dtype), input_precision=PREC) * b_vn, 1)
                 b_q = load_rows(q, o_t, m_t, i_h, H, K, o_k)
                 b_qd = (b_q * (tl.exp(b_gc) * scale)[:, None]).to(b_q.dtype)
-                b_w = load_rows(w, o_t, m_t, i_h, H, K, o_k)
                 b_do = load_rows(do, o_t, m_t, i_h, H, V, o_v)
-                b_dh = (b_dh * tl.exp(g_last) + tl.dot(tl.trans(b_qd), b_do, input_precision=PREC)
-                        - tl.dot(tl.trans(b_w), b_dv.to(b_w.dtype), input_precision=PREC))
+                b_dh = b_dh * tl.exp(g_last) + tl.dot(tl.trans(b_qd), b_do, input_precision=PREC)
+                if DELTA:
+                    b_w = load_rows(w, o_t, m_t, i_h, H, K, o_k)
+                    b_dh -= tl.dot(tl.trans(b_w), b_dv.to(b_w.dtype), input_precision=PREC)
                 b_e *= tl.exp(g_last)
             tl.atomic_add(dz + r * H + i_h, tl.sum(b_dz, 0))
             if b_z < 1.0:
@@ -187,10 +201,12 @@ def _state_bwd_kernel(q, k, w, do, v_new, dv_local, gc, z, h, dh, dv, dz, dgs, d
 def _dqkwg_kernel(q, k, v_new, do, dv, gc, h, dh, dq, dk, dw, dgc, scale,
                   cu, chunk_offsets, chunk_seq,
                   H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                  R: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+                  R: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DELTA: tl.constexpr,
+                  PREC: tl.constexpr):
     """One slot, one block of ``BK`` key columns: ``dq, dk, dw`` of those columns and their
     share of the gate gradient (added into ``dgc``, zeroed, when ``K`` spans several
-    blocks). Blocks of 64 keep the three ``[BT, BK]`` float32 accumulators in registers."""
+    blocks). Blocks of 64 keep the three ``[BT, BK]`` float32 accumulators in registers.
+    Without ``DELTA`` (gated linear attention) there is no ``w``, so no ``dw``."""
     i_s, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     _, t0, eos = slot_bounds(i_s, cu, chunk_offsets, chunk_seq, R, BT)
     if t0 >= eos:
@@ -213,14 +229,16 @@ def _dqkwg_kernel(q, k, v_new, do, dv, gc, h, dh, dq, dk, dw, dgc, scale,
         b_dh = tl.load(p_dh + o_v[None, :], mask=m_v, other=0)
         b_do = load_rows(do, o_t, m_t, i_h, H, V, o_v)
         b_vn = load_rows(v_new, o_t, m_t, i_h, H, V, o_v)
-        b_dv = load_rows(dv, o_t, m_t, i_h, H, V, o_v).to(b_h.dtype)
         b_dq += tl.dot(b_do, tl.trans(b_h), input_precision=PREC)
         b_dk += tl.dot(b_vn, tl.trans(b_dh), input_precision=PREC)
         b_ds += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)  # the same in every block
-        b_dw += tl.dot(b_dv, tl.trans(b_h), input_precision=PREC)
+        if DELTA:
+            b_dv = load_rows(dv, o_t, m_t, i_h, H, V, o_v).to(b_h.dtype)
+            b_dw += tl.dot(b_dv, tl.trans(b_h), input_precision=PREC)
         b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
     # Each result is stored as soon as it is complete (fewer live registers).
-    store_rows(dw, -b_dw, o_t, m_t, i_h, H, K, o_k)
+    if DELTA:
+        store_rows(dw, -b_dw, o_t, m_t, i_h, H, K, o_k)
     b_gc = tl.load(gc + o_t * H + i_h, mask=m_t, other=0)
     t_last = tl.minimum(t0 + BT, eos) - 1
     g_last = tl.load(gc + t_last * H + i_h)
@@ -318,17 +336,19 @@ def dv_local(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, gc: torch.Tenso
     out = empty(*do.shape, dtype=grad_dtype(do.dtype), device=q.device)
     _dv_local_kernel[(cmap.chunk_seq.numel() * r, heads)](
         q, k, do, gc, out, scale, cmap.cu_seqlens, cmap.chunk_offsets, cmap.chunk_seq,
-        H=heads, K=d_k, V=do.shape[-1], BT=bt, R=r, PREC=dot_precision(q.dtype))
+        H=heads, K=d_k, V=do.shape[-1], BT=bt, R=r, BV=value_block(do.shape[-1]),
+        PREC=dot_precision(q.dtype))
     return out
 
 
-def state_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch.Tensor,
+def state_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor | None, do: torch.Tensor,
               v_new: torch.Tensor, gc: torch.Tensor, z: torch.Tensor,
               h: torch.Tensor, dht: torch.Tensor | None, need_dh0: bool, all_dz: bool,
               scale: float, cmap, bt: int, r: int,
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                          torch.Tensor | None]:
-    """``(dh, d v_new, d z, shadow gate gradient per routing chunk, d initial state)``."""
+    """``(dh, d v_new, d z, shadow gate gradient per routing chunk, d initial state)``;
+    ``w = None`` for gated linear attention (``v_new`` the values)."""
     _, _, heads, d_k = q.shape
     d_v = do.shape[-1]
     n_seq = cmap.cu_seqlens.numel() - 1
@@ -347,24 +367,27 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch.Tenso
                             scale, cmap.cu_seqlens, cmap.chunk_offsets,
                             H=heads, K=d_k, V=d_v, BT=bt, R=r, USE_DHT=dht is not None,
                             STORE_DH0=need_dh0, DZ_MIN=-1.0 if all_dz else 0.5,
-                            FUSE_DVL=fuse, PREC=dot_precision(q.dtype))
+                            FUSE_DVL=fuse, DELTA=w is not None, PREC=dot_precision(q.dtype))
     return dh, dv, dz, dgs, dh0
 
 
 def dqkwg(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, do: torch.Tensor,
-          dv: torch.Tensor, gc: torch.Tensor, h: torch.Tensor, dh: torch.Tensor, scale: float,
-          cmap, bt: int, r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, partial dk, dw, partial d gc)``."""
+          dv: torch.Tensor | None, gc: torch.Tensor, h: torch.Tensor, dh: torch.Tensor,
+          scale: float, cmap, bt: int, r: int,
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``(dq, partial dk, dw, partial d gc)``. With ``dv = None`` (gated linear attention:
+    no ``w``) ``dw`` is None, and ``dk``, ``d gc`` are complete."""
     _, _, heads, d_k = q.shape
     dq = empty(*q.shape, dtype=q.dtype, device=q.device)
-    dk, dw = (empty(*q.shape, dtype=grad_dtype(q.dtype), device=q.device) for _ in range(2))
+    dk = empty(*q.shape, dtype=grad_dtype(q.dtype), device=q.device)
+    dw = None if dv is None else empty(*q.shape, dtype=grad_dtype(q.dtype), device=q.device)
     bk = min(d_k, DQKWG_BLOCK_K)
     dgc = (empty if bk == d_k else torch.zeros)(*q.shape[:3], dtype=torch.float32,
                                                  device=q.device)
     _dqkwg_kernel[(cmap.chunk_seq.numel() * r, heads, d_k // bk)](
         q, k, v_new, do, dv, gc, h, dh, dq, dk, dw, dgc, scale, cmap.cu_seqlens,
         cmap.chunk_offsets, cmap.chunk_seq, H=heads, K=d_k, V=do.shape[-1], BT=bt, R=r,
-        BK=bk, PREC=dot_precision(q.dtype))
+        BK=bk, DELTA=dv is not None, PREC=dot_precision(q.dtype))
     return dq, dk, dw, dgc
 
 

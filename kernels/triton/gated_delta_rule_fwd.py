@@ -66,10 +66,11 @@ def slot_bounds(i_s, cu, chunk_offsets, chunk_seq, R: tl.constexpr, BT: tl.const
 
 @triton.jit
 def rows_mask(o_t, m_t, D: tl.constexpr, o_d):
-    """The row mask; the column one only where the block is wider than ``D``. A column
+    """The row mask; the column one only where the block does not divide ``D`` (wider than
+    ``D``, or ``D`` not a power of two, as the ``Dv + 1`` of linear attention). A column
     mask with a run-time start defeats vector loads (one predicated access and one 64-bit
     address per element), so blocks that divide ``D`` go without it."""
-    if o_d.shape[0] <= D:
+    if D // o_d.shape[0] * o_d.shape[0] == D:  # (no int % constexpr in the interpreter)
         return tl.broadcast_to(m_t[:, None], [o_t.shape[0], o_d.shape[0]])
     return m_t[:, None] & (o_d[None, :] < D)
 
@@ -287,7 +288,9 @@ def _wu_kernel(k, v, beta, gc, a, w, u, cu, chunk_offsets, chunk_seq,
 def _state_fwd_kernel(k, w, u, gc, z, h, v_new, h0, ht, cu, chunk_offsets,
                       H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                       R: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr,
-                      STORE_HT: tl.constexpr, PREC: tl.constexpr):
+                      STORE_HT: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
+    """``DELTA``: the delta rule (``v_new = u - w h``, stored); otherwise ``u`` are the
+    values themselves and nothing is subtracted (gated linear attention)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu + i_n).to(tl.int64), tl.load(cu + i_n + 1).to(tl.int64)
@@ -305,15 +308,19 @@ def _state_fwd_kernel(k, w, u, gc, z, h, v_new, h0, ht, cu, chunk_offsets,
             o_t = bos + (i_s - c0) * BT + o_i
             m_t = o_t < eos
             b_z = tl.load(z + i_s * H + i_h).to(tl.float32)
-            b_w = load_rows(w, o_t, m_t, i_h, H, K, o_k)
+            if DELTA:
+                b_w = load_rows(w, o_t, m_t, i_h, H, K, o_k)
             b_u = load_rows(u, o_t, m_t, i_h, H, V, o_v).to(tl.float32)
             b_k = load_rows(k, o_t, m_t, i_h, H, K, o_k)
             b_gc = tl.load(gc + o_t * H + i_h, mask=m_t, other=0)
             g_last = tl.load(gc + (tl.minimum(bos + (i_s - c0) * BT + BT, eos) - 1) * H + i_h)
             tl.store(h + (i_s * H + i_h).to(tl.int64) * K * V + p_hv,
                      b_h.to(h.dtype.element_ty), mask=m_hv)
-            b_vn = b_u - tl.dot(b_w, b_h.to(b_w.dtype), input_precision=PREC)
-            store_rows(v_new, b_vn, o_t, m_t, i_h, H, V, o_v)
+            if DELTA:
+                b_vn = b_u - tl.dot(b_w, b_h.to(b_w.dtype), input_precision=PREC)
+                store_rows(v_new, b_vn, o_t, m_t, i_h, H, V, o_v)
+            else:
+                b_vn = b_u
             b_kd = (b_k * (tl.exp(g_last - b_gc) * b_z)[:, None]).to(b_k.dtype)
             b_h = b_h * tl.exp(g_last) + tl.dot(tl.trans(b_kd), b_vn.to(b_k.dtype),
                                                   input_precision=PREC)
@@ -327,10 +334,11 @@ def _state_fwd_kernel(k, w, u, gc, z, h, v_new, h0, ht, cu, chunk_offsets,
                 m_t = o_t < eos
                 tl.store(h + ((r * R + j) * H + i_h).to(tl.int64) * K * V + p_hv,
                          b_h.to(h.dtype.element_ty), mask=m_hv)
-                b_w = load_rows(w, o_t, m_t, i_h, H, K, o_k)
                 b_vn = load_rows(u, o_t, m_t, i_h, H, V, o_v).to(tl.float32)
-                b_vn -= tl.dot(b_w, b_h.to(b_w.dtype), input_precision=PREC)
-                store_rows(v_new, b_vn, o_t, m_t, i_h, H, V, o_v)
+                if DELTA:
+                    b_w = load_rows(w, o_t, m_t, i_h, H, K, o_k)
+                    b_vn -= tl.dot(b_w, b_h.to(b_w.dtype), input_precision=PREC)
+                    store_rows(v_new, b_vn, o_t, m_t, i_h, H, V, o_v)
                 b_gc = tl.load(gc + o_t * H + i_h, mask=m_t, other=0)
                 g_last = tl.load(gc + (tl.minimum(t_r + j * BT + BT, eos) - 1) * H + i_h)
                 b_k = load_rows(k, o_t, m_t, i_h, H, K, o_k)
@@ -401,15 +409,19 @@ def wy_fwd(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
     return gc, a, w, u
 
 
-def state_fwd(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: torch.Tensor,
+def state_fwd(k: torch.Tensor, w: torch.Tensor | None, u: torch.Tensor, gc: torch.Tensor,
               z: torch.Tensor, h0: torch.Tensor | None, output_final_state: bool, cmap,
-              bt: int, r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(h, v_new, final_state)``: slot start states ``[slots, H, K, V]`` and the new values."""
+              bt: int, r: int,
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(h, v_new, final_state)``: slot start states ``[slots, H, K, V]`` and the new values.
+
+    With ``w = None`` the state takes the values ``u`` as they are (gated linear
+    attention: ``h' = exp(gL) h + (k exp(gL - gc))^T u``) and ``v_new`` is None."""
     _, _, heads, d_k = k.shape
     d_v = u.shape[-1]
     n_seq = cmap.cu_seqlens.numel() - 1
     h = empty(cmap.chunk_seq.numel() * r, heads, d_k, d_v, dtype=k.dtype, device=k.device)
-    v_new = empty(*u.shape, dtype=k.dtype, device=k.device)
+    v_new = None if w is None else empty(*u.shape, dtype=k.dtype, device=k.device)
     ht = (empty(n_seq, heads, d_k, d_v, dtype=torch.float32, device=k.device)
           if output_final_state else None)
 
@@ -418,7 +430,7 @@ def state_fwd(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gc: torch.Tenso
     _state_fwd_kernel[grid](k, w, u, gc, z, h, v_new, h0, ht, cmap.cu_seqlens,
                             cmap.chunk_offsets, H=heads, K=d_k, V=d_v, BT=bt, R=r,
                             USE_H0=h0 is not None, STORE_HT=output_final_state,
-                            PREC=dot_precision(k.dtype))
+                            DELTA=w is not None, PREC=dot_precision(k.dtype))
     return h, v_new, ht
 
 

@@ -12,6 +12,8 @@ from typing import NamedTuple
 import torch
 import triton
 
+from ..reference.chunks import LINEAR, check_chunk_size, check_routes
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 """True when Triton runs kernels on the CPU (``TRITON_INTERPRET=1``), decided at import."""
 
@@ -86,3 +88,33 @@ def check_varlen(cu_seqlens: torch.Tensor, batch: int, total_len: int, n_chunks:
     if not least <= n_chunks <= least + n_seq - 1:
         raise ValueError(f"routes has {n_chunks} chunks; {n_seq} sequences of {total_len} "
                          f"tokens in chunks of {chunk_size} need {least} to {least + n_seq - 1}")
+
+
+def routed_batch(batch: int, seq_len: int, heads: int, d_k: int, d_v: int,
+                 routes: torch.Tensor, chunk_size: int, initial_state: torch.Tensor | None,
+                 cu_seqlens: torch.Tensor | None) -> tuple[ChunkMap, torch.Tensor]:
+    """Check routes and the initial state against a dense or a packed batch (``cu_seqlens``,
+    ``B == 1``, one state per sequence); return the :class:`ChunkMap` and the linear
+    routes ``z = routes[..., LA]`` as ``[N_total, H]``, as every routed linear kernel takes
+    them."""
+    check_chunk_size(chunk_size)
+    if cu_seqlens is None:
+        check_routes(routes, batch, seq_len, chunk_size, heads)
+        n_seq = batch
+    else:
+        check_varlen(cu_seqlens, batch, seq_len, routes.shape[1], chunk_size)
+        if routes.dim() != 4 or routes.shape[0] != 1 or routes.shape[2:] != (heads, 2):
+            raise ValueError(f"packed routes must be [1, N_total, {heads}, 2], got "
+                             f"{list(routes.shape)}")
+        n_seq = cu_seqlens.numel() - 1
+    if initial_state is not None and initial_state.shape != (n_seq, heads, d_k, d_v):
+        raise ValueError(f"initial_state must be [{n_seq}, {heads}, {d_k}, {d_v}] (one state "
+                         f"per sequence), got {list(initial_state.shape)}")
+    cmap = chunk_map(batch, seq_len, routes.shape[0] * routes.shape[1], chunk_size,
+                     routes.device, cu_seqlens)
+    return cmap, routes[..., LINEAR].reshape(-1, heads).contiguous()
+
+
+def packed(x: torch.Tensor) -> torch.Tensor:
+    """``[B, T, H, ...]`` as the packed batch ``[1, B * T, H, ...]`` (contiguous)."""
+    return x.reshape(1, x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
