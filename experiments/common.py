@@ -154,6 +154,12 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def write_table(out: Path, title: str, table: str, notes: Sequence[str]) -> None:
-    text = "\n".join([f"## {title}", "", table, "", *notes, ""])
+    """``table.md`` in ``out``, with the device and the runs the budget skipped."""
+    summary = json.loads((out / "summary.json").read_text())
+    ran = (f"Ran on {summary['device_name']} ({summary['device']}) in "
+           f"{summary['minutes']:.1f} min, torch {torch.__version__}.")
+    if summary["skipped"]:
+        ran += f" Skipped for the time budget: {', '.join(summary['skipped'])}."
+    text = "\n".join([f"## {title}", "", table, "", *notes, "", ran, ""])
     (out / "table.md").write_text(text)
     print(text)

@@ -32,7 +32,7 @@ SCALES = {
     "gpu": dict(d_model=256, layers=8, heads=4, head_dim=64, chunk=64, seq_len=1024,
                 steps=1500, batch=16, lrs=(1e-3,), seeds=(0,), eval_batches=8),
     "cpu": dict(d_model=64, layers=2, heads=2, head_dim=32, chunk=16, seq_len=128,
-                steps=150, batch=8, lrs=(3e-3,), seeds=(0,), eval_batches=4),
+                steps=100, batch=8, lrs=(3e-3,), seeds=(0,), eval_batches=4),
 }
 
 
