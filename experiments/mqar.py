@@ -32,8 +32,8 @@ SCALES = {
     "gpu": dict(vocab=8192, d_model=128, head_dim=64, chunk=32, train=(256, 64), steps=1500,
                 batch=64, lrs=(5e-4, 2e-3, 8e-3), seeds=(0, 1, 2), eval_batches=4,
                 test=((64, 4), (128, 16), (256, 64), (512, 128), (1024, 256))),
-    "cpu": dict(vocab=64, d_model=64, head_dim=32, chunk=16, train=(32, 4), steps=250,
-                batch=64, lrs=(3e-3,), seeds=(0,), eval_batches=2,
+    "cpu": dict(vocab=64, d_model=64, head_dim=32, chunk=16, train=(32, 4), steps=200,
+                batch=32, lrs=(3e-3,), seeds=(0,), eval_batches=2,
                 test=((32, 4), (64, 8), (128, 16))),
 }
 
