@@ -273,7 +273,7 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
                     result = evaluate(model, eval_batches, device, autocast,
                                       batches.bytes_per_token)
                     eval_metrics = result.metrics
-                    log.evaluation(result, step)
+                    log.evaluation(result, step, config.model, config.seq_len)
                     if world.is_main:
                         tqdm.write(_eval_line(step, eval_metrics))
                     if on_eval is not None:

@@ -1,7 +1,9 @@
 """What a run shows in TensorBoard: scalars, routing maps, scorer histograms, hparams.
 
 Tags: ``train/*`` and ``eval/*`` scalars (losses, learning rate, softmax fractions per
-layer and routing head), ``routing/layer{i}`` images of the evaluation batch's routes,
+layer and routing head), ``routing/layer{i}`` images of the evaluation batch's routes
+(rows: sequence x routing head), ``routing/all_layers`` the labelled figure of the first
+evaluation sequence through every layer (the picture ``nats analyze`` draws),
 ``routing/softmax_prob/layer{i}`` histograms of the scorer's probabilities, the config as
 text, and the config with the final metrics in the HParams tab (sub-run ``hparams``).
 """
@@ -11,9 +13,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from torch.utils.tensorboard import SummaryWriter
 
-from nats.analysis.routing_maps import routing_map_image
+from nats.analysis.routing_maps import routing_figure, routing_map_image
+from nats.config import NatsConfig
 
 from .evaluation import Evaluation
 
@@ -55,10 +59,16 @@ class RunLog:
             for tag, value in values.items():
                 self.writer.add_scalar(tag, value, step)
 
-    def evaluation(self, result: Evaluation, step: int) -> None:
+    def evaluation(self, result: Evaluation, step: int, model: NatsConfig, seq_len: int,
+                   ) -> None:
         if not self.writer:
             return
         self.scalars(result.metrics, step)
+        if any(r is not None for r in result.routes):
+            figure = routing_figure(result.routes, model.layer_types, model.chunk_size, seq_len,
+                                    title=f"routes of evaluation sequence 0 at step {step}")
+            self.writer.add_image("routing/all_layers", np.asarray(figure), step,
+                                  dataformats="HWC")
         for i, routes in enumerate(result.routes):
             if routes is not None:
                 self.writer.add_image(f"routing/layer{i}",

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import io
 import math
 import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
 from nats import NatsForCausalLM
 from nats.analysis import routing_map_image
+from nats.analysis.routing_maps import routing_figure
 from nats.trainers import build_batches, evaluate, latest_checkpoint, preset, train
 from nats.trainers.tensorboard_log import MAP_SEQUENCES
 
@@ -80,7 +84,8 @@ def test_tensorboard_has_losses_fractions_maps_histograms_and_hparams(
     assert events.Scalars("eval/ppl")[-1].value == pytest.approx(
         math.exp(events.Scalars("eval/ce")[-1].value), rel=1e-5)
 
-    assert set(events.Tags()["images"]) == {"routing/layer0", "routing/layer1"}
+    assert set(events.Tags()["images"]) == {"routing/layer0", "routing/layer1",
+                                            "routing/all_layers"}
     image = events.Images("routing/layer1")[-1]
     routes = evaluate(result.model, build_batches(config).eval(1), torch.device("cpu")).routes
     expected = routing_map_image(routes[1][:MAP_SEQUENCES])
@@ -89,6 +94,12 @@ def test_tensorboard_has_losses_fractions_maps_histograms_and_hparams(
     rows = min(config.batch_size, MAP_SEQUENCES) * config.model.n_heads
     assert expected.shape[0] % rows == 0 and expected.shape[1] % n_chunks == 0
     assert expected.shape[0] // rows == expected.shape[1] // n_chunks  # square cells
+    figure = routing_figure(routes, config.model.layer_types, config.model.chunk_size,
+                            config.seq_len, title="routes of evaluation sequence 0 at step 6")
+    logged = events.Images("routing/all_layers")[-1]
+    assert (logged.step, logged.height, logged.width) == (6, figure.height, figure.width)
+    pixels = Image.open(io.BytesIO(logged.encoded_image_string)).convert("RGB")
+    assert np.array_equal(np.asarray(pixels), np.asarray(figure))
 
     assert set(events.Tags()["histograms"]) == {"routing/softmax_prob/layer0",
                                                 "routing/softmax_prob/layer1"}
