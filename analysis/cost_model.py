@@ -91,7 +91,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nats.config import NatsConfig
-from nats.layers.linear_ops import DECAY_OPS, LinearOperator
+from nats.layers.linear_ops import LinearOperator
 
 from .softmax_fraction import LayerFraction
 
@@ -241,7 +241,7 @@ def _layer_cost(cfg: NatsConfig, layer: int, kind: str, f: float, seq_len: int,
     op = LinearOperator.from_config(cfg)
     state_entries = h * dk * op.state_width
     per_entry = LINEAR_FLOPS_PER_STATE_ENTRY[cfg.linear_op]
-    restore = float(cfg.linear_op in DECAY_OPS)  # FLOPs per entry of a softmax chunk's restore
+    restore = float(op.decays)  # FLOPs per state entry of a softmax chunk's snapshot restore
     flops_per_pair = 2 * h * (dk + dv)           # H r heads x 2 (dk/r + dv/r)
     kv_per_token = h * (dk + dv) * dtype_bytes   # H r heads x (dk/r + dv/r) values
     finished = seq_len // c

@@ -110,6 +110,22 @@ def _bench_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_attention(args: argparse.Namespace) -> int:
+    from nats.kernels.attention_bench import default_config, run_attention_benchmark
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = default_config(
+        device, seq_lens=args.seq_lens, runs=args.runs, recurrent_runs=args.recurrent_runs,
+        recurrent_max_len=args.recurrent_max_len, decode_contexts=args.decode_contexts,
+        warmup=args.warmup, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
+        chunk_size=args.chunk_size, dtype=args.dtype, ops=args.ops)
+    run_attention_benchmark(config, args.out)
+    print(f"nats: wrote {args.out} and {args.out.with_suffix('.png')}")
+    return 0
+
+
 def _info(args: argparse.Namespace) -> int:
     model = _load(args.model_dir, "cpu")
     print(json.dumps({"parameters": sum(p.numel() for p in model.parameters()),
@@ -277,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_parser(sub)
 
-    bench = sub.add_parser("bench", help="GPU benchmarks")
+    bench = sub.add_parser("bench", help="benchmarks (kernels and decode need a GPU)")
     bench_sub = bench.add_subparsers(dest="bench_target", required=True, metavar="TARGET")
     kernels = bench_sub.add_parser(
         "kernels", help="the mixed operator vs SDPA, FlexAttention and fla (needs a GPU)")
@@ -297,7 +313,38 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--steps", type=int, default=64, help="timed decode steps")
     decode.add_argument("--out", type=Path, default=Path("bench/decode.json"))
     decode.set_defaults(func=_bench_decode)
+    _add_bench_attention(bench_sub)
     return parser
+
+
+def _add_bench_attention(bench_sub: argparse._SubParsersAction) -> None:
+    from nats.config import LINEAR_OPS
+
+    attention = bench_sub.add_parser(
+        "attention", help="one softmax layer vs one linear-attention layer: forward time "
+                          "against T, decoding latency and memory against context (CPU or GPU)")
+    attention.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    attention.add_argument("--seq-lens", type=int, nargs="+",
+                           help="forward lengths (default: GPU 128 .. 65536, CPU 128 .. 512)")
+    attention.add_argument("--runs", type=int, help="timed runs per point (GPU 100, CPU 3)")
+    attention.add_argument("--recurrent-runs", type=int,
+                           help="timed runs of the token-by-token forms (GPU 10, CPU 2)")
+    attention.add_argument("--recurrent-max-len", type=int,
+                           help="longest T for the token-by-token forms (GPU 1024, CPU 256)")
+    attention.add_argument("--decode-contexts", type=int, nargs="+",
+                           help="context lengths of the decode step (GPU to 1M, CPU to 8192)")
+    attention.add_argument("--warmup", type=int, help="untimed runs first (GPU 5, CPU 1)")
+    attention.add_argument("--batch", type=int, help="batch size (default 32)")
+    attention.add_argument("--heads", type=int, help="heads (default 1)")
+    attention.add_argument("--head-dim", type=int, help="d_k = d_v (default 64)")
+    attention.add_argument("--chunk-size", type=int, help="chunk of the chunked forms (64)")
+    attention.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                           help="inputs (GPU bfloat16, CPU float32); states are float32")
+    attention.add_argument("--ops", nargs="+", choices=LINEAR_OPS,
+                           help="linear operators to compare (default: all)")
+    attention.add_argument("--out", type=Path, default=Path("bench/attention.json"),
+                           help="JSON file; the plot goes beside it (.png)")
+    attention.set_defaults(func=_bench_attention)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -133,13 +133,22 @@ class LinearOperator:
         return self.d_k**-0.5
 
     @property
+    def decays(self) -> bool:
+        """Whether the operator has a data-dependent decay gate ``g``."""
+        return self.name in DECAY_OPS
+
+    @property
+    def delta(self) -> bool:
+        """Whether the operator runs the delta rule (write strength ``beta``)."""
+        return self.name in DELTA_OPS
+
+    @property
     def state_width(self) -> int:
         """Columns of the state: ``d_v``, plus the normaliser for linear attention."""
         return self.d_v + (self.name in NORMALISER_OPS)
 
     def gates(self, d_model: int) -> LinearGates:
-        return LinearGates(d_model, self.heads, decay=self.name in DECAY_OPS,
-                           write=self.name in DELTA_OPS)
+        return LinearGates(d_model, self.heads, decay=self.decays, write=self.delta)
 
     def features(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """``[B, T, H*D]`` projections as heads ``[B, T, H, D]``, q and k as the operator
@@ -165,10 +174,10 @@ class LinearOperator:
                                        q.device)
         common = dict(initial_state=initial_state, output_final_state=output_final_state,
                       backend=self.backend)
-        if self.name in DELTA_OPS:
+        if self.delta:
             return hybrid_gated_delta_rule(q, k, v, gates.g, gates.beta, routes, self.chunk_size,
                                            self.scale, **common)
-        if self.name in DECAY_OPS:
+        if self.decays:
             return hybrid_gated_linear_attention(q, k, v, gates.g, routes, self.chunk_size,
                                                  self.scale, **common)
         return hybrid_linear_attention(q, k, v, routes, self.chunk_size, **common)
@@ -177,8 +186,8 @@ class LinearOperator:
              gates: TokenGates) -> tuple[torch.Tensor, torch.Tensor]:
         """One token: q, k ``[B, H, Dk]``, v ``[B, H, Dv]``, gates of that token ``[B, H]``.
         Returns ``(o [B, H, Dv], new_state)``."""
-        if self.name in DELTA_OPS:
+        if self.delta:
             return gated_delta_rule_step(state, q, k, v, gates.g, gates.beta, self.scale)
-        if self.name in DECAY_OPS:
+        if self.decays:
             return gated_linear_attention_step(state, q, k, v, gates.g, self.scale)
         return linear_attention_step(state, q, k, v)
