@@ -16,11 +16,13 @@ import torch.nn.functional as F
 @dataclass
 class SoftmaxLayerCache:
     """Plain causal attention: every key and value in ``[B, Hq, capacity, D]`` buffers, of
-    which the first ``length`` positions are real (capacity doubles, so steps never copy)."""
+    which the first ``length`` positions are real (capacity doubles, so steps never copy),
+    and the short convolution's window."""
 
     k: torch.Tensor
     v: torch.Tensor
     length: int
+    conv: torch.Tensor
 
     def kv_bytes(self) -> int:
         return _nbytes(self.k[:, :, : self.length], self.v[:, :, : self.length])

@@ -38,3 +38,25 @@ def test_loading_a_folder_that_is_not_a_model_says_what_is_missing(tmp_path):
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match=r"no model\.safetensors"):
         NatsForCausalLM.from_pretrained(tmp_path)
+
+
+def test_weights_of_a_softmax_layer_without_short_convolution_are_refused_in_one_line(
+        tmp_path):
+    """Plain softmax layers gained QKVProjection's conv: their old single ``qkv.weight``
+    must not load (strictly or not) into the new layout."""
+    from safetensors.torch import save_file
+
+    model = tiny_model(("gdn", "softmax"))
+    model.save_pretrained(tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    state["blocks.1.mixer.qkv.weight"] = state.pop("blocks.1.mixer.qkv.proj.weight")
+    del state["blocks.1.mixer.qkv.conv.weight"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    message = (r"^weights from before plain softmax layers had short convolutions: "
+               r"unexpected key blocks\.1\.mixer\.qkv\.weight, missing "
+               r"blocks\.1\.mixer\.qkv\.proj\.weight and blocks\.1\.mixer\.qkv\.conv\.weight")
+    with pytest.raises(ValueError, match=message) as error:
+        NatsForCausalLM.from_pretrained(tmp_path)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match=message):
+        tiny_model(("gdn", "softmax")).load_state_dict(state, strict=False)
