@@ -2,7 +2,7 @@
 
 Not a package users import: ``python experiments/mqar.py --scale cpu`` and its siblings put
 this folder on ``sys.path`` themselves. Only torch, tqdm, safetensors and tensorboard are
-needed (no ray, optuna; ``datasets`` only for the language-modelling experiment).
+needed (no ray, optuna or ``datasets``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
     python experiments/lm.py --scale cpu                      # reduced: minutes on a CPU
     python experiments/lm.py --scale gpu --device cuda        # full: < 1 h on one GPU
 
-Reading the corpus goes through ``datasets`` (trainers/text_data.py): it must be installed.
+The corpus is read straight from the stdlib's files (no ``datasets`` needed).
 """
 
 from __future__ import annotations

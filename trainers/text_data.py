@@ -1,4 +1,4 @@
-"""Text corpora through Hugging Face ``datasets``: sources, splits, packing and windows.
+"""Text corpora: sources, splits, packing and windows.
 
 A corpus is a sequence of documents: one per text file, one per record of JSON / JSON
 Lines / Parquet files or of a dataset folder written by ``save_to_disk``. Documents are
@@ -19,9 +19,10 @@ U+FFFD); empty documents are skipped.
   which starts over at its end. Resuming at step ``s`` re-reads the first ``s *
   batch_size`` windows (the data position is ``step * batch_size`` sequences).
 
-Everything is read from local disk: ``datasets`` runs offline (``HF_DATASETS_OFFLINE`` and
-``HF_HUB_OFFLINE`` default to 1 here), and the default corpus is the Python standard
-library's own ``.py`` files, split by file.
+Everything is read from local disk. Text files (and the default corpus, the Python standard
+library's own ``.py`` files, split by file) are read directly; JSON, Parquet and
+``save_to_disk`` folders go through Hugging Face ``datasets``, imported only then and run
+offline (``HF_DATASETS_OFFLINE`` and ``HF_HUB_OFFLINE`` default to 1 here).
 """
 
 from __future__ import annotations
@@ -70,6 +71,13 @@ def _datasets() -> Any:
     import datasets
 
     return datasets
+
+
+def read_text_file(path: Path) -> str:
+    """One text document: UTF-8, universal newlines, undecodable bytes as U+FFFD (what
+    ``datasets``' text loader with ``sample_by="document"`` gives)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()
 
 
 def format_of(path: Path) -> str:
@@ -200,14 +208,10 @@ class Corpus:
         return self._saved_parts()
 
     def _text_reader(self, files: list[Path]) -> Reader:
+        """Whole files, read directly: the default corpus must not need ``datasets``."""
         def read() -> Iterator[list[str]]:
-            if not files:
-                return
-            ds = _datasets().load_dataset(
-                "text", data_files=[globlib.escape(str(f)) for f in files], split="train",
-                sample_by="document", encoding_errors="replace", streaming=True)
-            for batch in ds.iter(batch_size=READ_BATCH):
-                yield batch["text"]
+            for i in range(0, len(files), READ_BATCH):
+                yield [read_text_file(f) for f in files[i:i + READ_BATCH]]
         return read
 
     def _record_reader(self) -> Reader:

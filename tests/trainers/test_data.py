@@ -127,6 +127,63 @@ def test_text_files_are_documents_split_by_file_name(micro: MicroConfig, tmp_pat
     assert set(_docs(batches.eval_source.data)) <= set(_docs(more.eval_source.data))
 
 
+def test_text_files_read_without_datasets_give_the_windows_datasets_gave(
+        micro: MicroConfig, tmp_path: Path) -> None:
+    """Text files are now read directly; the reference is the ``datasets`` text loader that
+    read them before (whole files, UTF-8 with replacement, universal newlines)."""
+    import datasets
+
+    _text_files(tmp_path, n=70)  # more than one read batch (READ_BATCH = 64)
+    odd = {"crlf.txt": b"a\r\nb\rc\n", "bad.txt": b"ok \xff\xfe end", "bom.txt":
+           b"\xef\xbb\xbfbom", "empty.txt": b""}
+    for name, data in odd.items():
+        (tmp_path / name).write_bytes(data)
+    corpus = resolve_corpus([tmp_path], val_fraction=0.25)
+    for split in (td.TRAIN, td.VALIDATION):
+        chosen = [f for f in corpus.paths if in_validation(f, 0.25) == (split == td.VALIDATION)]
+        ds = datasets.load_dataset("text", data_files=[str(f) for f in chosen], split="train",
+                                   sample_by="document", encoding_errors="replace")
+        expected = [t for t in ds["text"] if t]
+        assert [t for batch in corpus.documents(split) for t in batch] == expected
+        assert len(expected) > 10
+    assert td.read_text_file(tmp_path / "crlf.txt") == "a\nb\nc\n"
+    assert td.read_text_file(tmp_path / "bad.txt") == "ok \ufffd\ufffd end"
+    for streaming in (False, True):  # same windows in memory and streamed
+        config = _text(micro, data_paths=(str(tmp_path),), val_fraction=0.25, seq_len=8,
+                       streaming=streaming)
+        batches = build_batches(config)
+        ds = datasets.load_dataset(
+            "text", split="train", sample_by="document", encoding_errors="replace",
+            data_files=[str(f) for f in corpus.paths if not in_validation(f, 0.25)])
+        stream = _packed([t for t in ds["text"] if t])
+        x, _ = batches.train(3)
+        if streaming:  # step 3 of batch 2: windows 6 and 7 of the packed stream
+            assert [bytes(r) for r in x.tolist()] == [stream[48:56], stream[56:64]]
+        else:
+            assert bytes(batches.train_source.data.tolist()) == stream
+
+
+def test_text_corpora_do_not_import_datasets(tmp_path: Path) -> None:
+    """The GPU image has no ``datasets``: the stdlib corpus and .txt files must not need it."""
+    import subprocess
+    import sys
+
+    _text_files(tmp_path, n=5)
+    code = f"""
+import sys
+sys.modules["datasets"] = None  # any import of it now fails
+from nats.trainers.text_data import TRAIN, load_text_sources, resolve_corpus
+from nats.trainers.tokenization import ByteTokenizer
+assert next(resolve_corpus((), val_fraction=0.5).documents(TRAIN))  # the stdlib
+corpus = resolve_corpus(({str(tmp_path)!r},), val_fraction=0.5)
+for streaming in (False, True):
+    train, _ = load_text_sources(corpus, ByteTokenizer(), 8, streaming)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
 def test_jsonl_records_split_disjointly_and_pack_in_order(micro: MicroConfig,
                                                            tmp_path: Path) -> None:
     records = _records()
