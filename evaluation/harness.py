@@ -23,6 +23,7 @@ from tqdm import tqdm
 from nats import NatsForCausalLM
 from nats.analysis.cost_model import IMPLIED_FRACTION, architecture_cost
 from nats.atomic_write import atomic_write_bytes
+from nats.latency import prefill_latency_ms
 from nats.trainers import TrainConfig, build_batches, evaluate
 from nats.trainers.loop import autocast_for
 
@@ -126,24 +127,13 @@ def _cost_totals(model: NatsForCausalLM, fractions: list[float | None],
     return {k: v for k, v in cost.items() if k != "layers"}
 
 
-@torch.no_grad()
-def prefill_seconds(model: NatsForCausalLM, seq_len: int, device: torch.device,
-                    repeats: int = 3) -> float:
-    """Median wall time of ``model.prefill`` on one random sequence (after one warm-up)."""
-    ids = torch.randint(0, model.config.vocab_size, (1, seq_len),
-                        generator=torch.Generator().manual_seed(0)).to(device)
-    times = []
-    for i in range(repeats + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        with autocast_for("auto", device):
-            model.prefill(ids)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i:
-            times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+def prefill_seconds(model: NatsForCausalLM, config: TrainConfig, seq_len: int,
+                    device: torch.device) -> float:
+    """Median wall time of a batch-1 forward over ``seq_len`` tokens of ``config``'s first
+    evaluation batch (real data, so NAtS-L routes as it would): the search's latency
+    measure (nats/latency.py), under the evaluation's autocast."""
+    input_ids = build_batches(config).eval(1)[0][0]
+    return prefill_latency_ms(model, input_ids, seq_len, autocast_for("auto", device)) / 1e3
 
 
 def run_eval(loaded: LoadedModel, slices: Sequence[TrainConfig], batches: int,
@@ -172,7 +162,8 @@ def run_eval(loaded: LoadedModel, slices: Sequence[TrainConfig], batches: int,
         "train_task": loaded.train_config.task if loaded.train_config else None,
         "train_seq_len": train_seq_len, "slices": results,
         "prefill": [{"seq_len": n, "batch_size": 1,
-                     "seconds": prefill_seconds(model, n, device)} for n in prefill_lens]}
+                     "seconds": prefill_seconds(model, slices[0], n, device)}
+                    for n in prefill_lens]}
     if out is not None:
         atomic_write_bytes(Path(out), (json.dumps(report, indent=2) + "\n").encode())
     return report

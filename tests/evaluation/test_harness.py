@@ -131,3 +131,28 @@ def test_bad_input_is_one_line(tmp_path: Path, capsys, argv: list[str], message:
     assert main(["eval", *argv, "--device", "cpu", "--out", str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("nats: error:") and message in err
+
+
+def test_prefill_is_timed_by_the_latency_module_on_the_first_slice(monkeypatch) -> None:
+    """One timer (nats/latency.py): a batch-1 forward over real tokens of the first slice."""
+    import nats.latency
+    from nats.trainers import build_batches
+
+    model = _model()
+    config = _run_config(model, eval_seed=3)
+    timed: list[torch.Tensor] = []
+    real_median = nats.latency.median_ms
+
+    def recording_median(fn, device, *args, **kwargs):
+        timed.append(fn())
+        return real_median(fn, device, *args, **kwargs)
+
+    monkeypatch.setattr(nats.latency, "median_ms", recording_median)
+    report = run_eval(LoadedModel(model, config, "test"), [config], 1, CPU,
+                      prefill_lens=[40, 20], show_progress=False)
+    assert [(p["seq_len"], p["batch_size"]) for p in report["prefill"]] == [(40, 1), (20, 1)]
+    assert all(p["seconds"] > 0 for p in report["prefill"])
+    first = build_batches(config).eval(1)[0][0].flatten()
+    with torch.no_grad():
+        assert torch.equal(timed[0].logits, model(first[:40][None]).logits)
+        assert torch.equal(timed[1].logits, model(first[:20][None]).logits)
