@@ -4,36 +4,65 @@ import pytest
 import torch
 
 from nats import NatsConfig, NatsForCausalLM
+from nats.config import LINEAR_OPS
 
 from .models import rel_err
+from .test_decoding import decode_logits
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
+@pytest.mark.parametrize("linear_op", LINEAR_OPS)
 @pytest.mark.parametrize(("chunk_size", "dtype"), [(64, torch.float32), (128, torch.bfloat16)],
                          ids=["c64-fp32", "c128-bf16"])
-def test_triton_backend_matches_reference_forward_and_gradients(chunk_size, dtype):
+def test_triton_backend_matches_reference_forward_and_gradients(chunk_size, dtype, linear_op):
+    """In float32 the Triton model equals the reference model. In bf16 both are measured
+    against the float32 reference: the Triton gradients may be no further from it than
+    the bf16 reference's own (rounding alone moves sums that nearly cancel, such as the
+    gate parameters' gradients, by several per cent)."""
     cfg = NatsConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, softmax_heads_per_head=2,
                      head_dim_k=64, head_dim_v=64, chunk_size=chunk_size,
-                     layer_types=("nats", "gdn"), backend="reference")
+                     layer_types=("nats", "gdn"), backend="reference", linear_op=linear_op)
     torch.manual_seed(0)
     reference = NatsForCausalLM(cfg).cuda()
     with torch.no_grad():  # spread the scorer so that both routes occur
         for layer in reference.nats_layers:
             layer.scorer.proj.weight.normal_(0, 0.5)
-    fast = NatsForCausalLM(cfg.replace(backend="triton")).cuda()
-    fast.load_state_dict(reference.state_dict())
     ids = torch.randint(0, 512, (2, 1000), device="cuda")
-    results = []
-    for model in (reference, fast):
-        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+
+    def run(backend: str, autocast: bool):
+        model = NatsForCausalLM(cfg.replace(backend=backend)).cuda()
+        model.load_state_dict(reference.state_dict())
+        with torch.autocast("cuda", dtype=dtype, enabled=autocast):
             out = model(ids, labels=ids)
         out.loss.backward()
-        results.append((out, {n: p.grad.float() for n, p in model.named_parameters()}))
-    (ref_out, ref_grads), (fast_out, fast_grads) = results
+        return out, {n: p.grad.float() for n, p in model.named_parameters()}
+
+    low = dtype != torch.float32
+    ref_out, ref_grads = run("reference", low)
+    fast_out, fast_grads = run("triton", low)
     assert torch.equal(ref_out.routes[0], fast_out.routes[0])
-    tol = 5e-3 if dtype == torch.float32 else 2e-2
+    tol = 2e-2 if low else 5e-3
     assert rel_err(fast_out.logits.float(), ref_out.logits.float()) < tol
-    for name, grad in ref_grads.items():
-        assert rel_err(fast_grads[name], grad) < 2 * tol, name
+    exact = run("reference", False)[1] if low else ref_grads
+    for name, grad in exact.items():
+        bound = max(2 * tol, 1.5 * rel_err(ref_grads[name], grad))
+        assert rel_err(fast_grads[name], grad) < bound, name
+
+@pytest.mark.parametrize("linear_op", LINEAR_OPS)
+def test_triton_prefill_then_decode_equals_parallel_forward(linear_op):
+    """Prefill on the Triton kernels (finished chunks with routes, then the open tail from
+    the snapshot) and the decode steps agree with the parallel forward, in float32."""
+    cfg = NatsConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, softmax_heads_per_head=2,
+                     head_dim_k=64, head_dim_v=64, chunk_size=64, layer_types=("nats", "gdn"),
+                     backend="triton", linear_op=linear_op)
+    torch.manual_seed(0)
+    model = NatsForCausalLM(cfg).cuda().eval()
+    with torch.no_grad():
+        for layer in model.nats_layers:
+            layer.scorer.proj.weight.normal_(0, 0.5)
+    ids = torch.randint(0, 512, (2, 300), device="cuda")
+    with torch.no_grad():
+        full = model(ids).logits
+        assert rel_err(decode_logits(model, ids, 200), full) < 5e-3
