@@ -25,16 +25,24 @@ PREFILL_LEN = 4096
 """Batch-1 prefill timed on a GPU (CPU timings would say nothing about the kernels)."""
 
 
-def parser(description: str) -> argparse.ArgumentParser:
+def parse_args(description: str, scales: dict[str, dict[str, Any]],
+               ) -> tuple[argparse.Namespace, dict[str, Any]]:
+    """The command line, and the chosen scale's settings (its ``minutes`` is the default
+    time budget)."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--scale", choices=("cpu", "gpu"), default="cpu",
-                   help="cpu: reduced, minutes on a laptop; gpu: the full size, < 1 h")
+    p.add_argument("--scale", choices=list(scales), default="cpu",
+                   help="cpu: reduced, minutes on a CPU; gpu: the issue's size, < 1 h on one "
+                        "GPU; gpu-quick: a few minutes on one GPU")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--max-minutes", type=float, default=None,
-                   help="stop starting new runs after this long (default: 10 cpu, 55 gpu)")
+                   help="stop starting new runs after this long (default: the scale's)")
     p.add_argument("--archs", nargs="+", choices=ARCHITECTURES, default=list(ARCHITECTURES))
     p.add_argument("--out", type=Path, default=None, help="results folder")
-    return p
+    args = p.parse_args()
+    scale = scales[args.scale]
+    if args.max_minutes is None:
+        args.max_minutes = scale["minutes"]
+    return args, scale
 
 
 @dataclass
@@ -77,7 +85,7 @@ def run_grid(name: str, args: argparse.Namespace, base: TrainConfig, lrs: Sequen
     device = resolve_device(args.device)
     out = args.out or Path("runs/experiments") / f"{name}-{args.scale}"
     out.mkdir(parents=True, exist_ok=True)
-    budget = Budget(args.max_minutes or (10 if args.scale == "cpu" else 55))
+    budget = Budget(args.max_minutes)
     reports, skipped = [], []
     for seed in seeds:
         for arch in args.archs:

@@ -3,6 +3,7 @@
 
     python experiments/lm.py --scale cpu                      # reduced: minutes on a CPU
     python experiments/lm.py --scale gpu --device cuda        # full: < 1 h on one GPU
+    python experiments/lm.py --scale gpu-quick --device cuda  # 300 steps, minutes
 
 The corpus is read straight from the stdlib's files (no ``datasets`` needed).
 """
@@ -20,7 +21,7 @@ from common import (
     cost_cells,
     markdown_table,
     mean_std,
-    parser,
+    parse_args,
     run_grid,
     write_table,
 )
@@ -30,15 +31,17 @@ from nats.trainers import TrainConfig
 
 SCALES = {
     "gpu": dict(d_model=256, layers=8, heads=4, head_dim=64, chunk=64, seq_len=1024,
-                steps=1500, batch=16, lrs=(1e-3,), seeds=(0,), eval_batches=8),
+                steps=1500, batch=16, lrs=(1e-3,), seeds=(0,), eval_batches=8, minutes=55),
+    "gpu-quick": dict(d_model=256, layers=4, heads=4, head_dim=64, chunk=64, seq_len=1024,
+                      steps=300, batch=16, lrs=(2e-3,), seeds=(0,), eval_batches=8,
+                      minutes=1),
     "cpu": dict(d_model=64, layers=2, heads=2, head_dim=32, chunk=16, seq_len=128,
-                steps=100, batch=8, lrs=(3e-3,), seeds=(0,), eval_batches=4),
+                steps=1000, batch=16, lrs=(3e-3,), seeds=(0,), eval_batches=8, minutes=12),
 }
 
 
 def main() -> None:
-    args = parser(__doc__.splitlines()[0]).parse_args()
-    s = SCALES[args.scale]
+    args, s = parse_args(__doc__.splitlines()[0], SCALES)
     model = NatsConfig(vocab_size=256, d_model=s["d_model"], n_layers=s["layers"],
                        n_heads=s["heads"], softmax_heads_per_head=2, head_dim_k=s["head_dim"],
                        head_dim_v=s["head_dim"], chunk_size=s["chunk"],

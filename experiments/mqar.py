@@ -2,6 +2,7 @@
 
     python experiments/mqar.py --scale cpu                    # reduced: minutes on a CPU
     python experiments/mqar.py --scale gpu --device cuda      # full: < 1 h on one GPU
+    python experiments/mqar.py --scale gpu-quick --device cuda  # ~4 min on one GPU
 
 Best of a small learning-rate grid (by mean accuracy over the test slices) per seed; the
 table shows mean ± std over seeds. The CPU scale is smaller in every direction: see SCALES.
@@ -20,7 +21,7 @@ from common import (
     cost_cells,
     markdown_table,
     mean_std,
-    parser,
+    parse_args,
     run_grid,
     write_table,
 )
@@ -31,16 +32,18 @@ from nats.trainers import TrainConfig
 SCALES = {
     "gpu": dict(vocab=8192, d_model=128, head_dim=64, chunk=32, train=(256, 64), steps=1500,
                 batch=64, lrs=(5e-4, 2e-3, 8e-3), seeds=(0, 1, 2), eval_batches=4,
-                test=((64, 4), (128, 16), (256, 64), (512, 128), (1024, 256))),
+                test=((64, 4), (128, 16), (256, 64), (512, 128), (1024, 256)), minutes=55),
+    "gpu-quick": dict(vocab=1024, d_model=128, head_dim=64, chunk=32, train=(128, 16),
+                      steps=600, batch=64, lrs=(3e-3,), seeds=(0,), eval_batches=4,
+                      test=((64, 4), (128, 16), (256, 32), (512, 64)), minutes=3),
     "cpu": dict(vocab=64, d_model=64, head_dim=32, chunk=16, train=(32, 4), steps=200,
                 batch=32, lrs=(3e-3,), seeds=(0,), eval_batches=2,
-                test=((32, 4), (64, 8), (128, 16))),
+                test=((32, 4), (64, 8), (128, 16)), minutes=10),
 }
 
 
 def main() -> None:
-    args = parser(__doc__.splitlines()[0]).parse_args()
-    s = SCALES[args.scale]
+    args, s = parse_args(__doc__.splitlines()[0], SCALES)
     model = NatsConfig(vocab_size=s["vocab"], d_model=s["d_model"], n_layers=2, n_heads=2,
                        softmax_heads_per_head=2, head_dim_k=s["head_dim"],
                        head_dim_v=s["head_dim"], chunk_size=s["chunk"],

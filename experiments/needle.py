@@ -4,6 +4,7 @@ distractors.
 
     python experiments/needle.py --scale cpu                  # reduced: minutes on a CPU
     python experiments/needle.py --scale gpu --device cuda    # full: < 1 h on one GPU
+    python experiments/needle.py --scale gpu-quick --device cuda  # 1k only, minutes
 
 The vocabulary is 10 digits, 128 key tokens and 128 filler tokens, so printable ASCII
 text is exact (bytes from 128 on fold into the filler range). Testing at 4k is longer than
@@ -23,7 +24,7 @@ from common import (
     cost_cells,
     markdown_table,
     mean_std,
-    parser,
+    parse_args,
     run_grid,
     write_table,
 )
@@ -34,16 +35,18 @@ from nats.trainers import TrainConfig
 VOCAB = 10 + 2 * 128
 SCALES = {
     "gpu": dict(d_model=128, layers=4, head_dim=64, chunk=64, train=1024, test=(1024, 4096),
-                steps=1500, batch=32, lrs=(1e-3,), seeds=(0,), eval_batches=4),
+                steps=1500, batch=32, lrs=(1e-3,), seeds=(0,), eval_batches=4, minutes=55),
+    "gpu-quick": dict(d_model=128, layers=2, head_dim=64, chunk=64, train=1024, test=(1024,),
+                      steps=400, batch=16, lrs=(3e-3,), seeds=(0,), eval_batches=4,
+                      minutes=1.5),
     "cpu": dict(d_model=64, layers=2, head_dim=32, chunk=16, train=128, test=(128, 256),
-                steps=150, batch=16, lrs=(3e-3,), seeds=(0,), eval_batches=2),
+                steps=1200, batch=16, lrs=(3e-3,), seeds=(0,), eval_batches=2, minutes=12),
 }
 HAYSTACKS, DISTRACTORS = ("repeated", "text"), (0, 2)
 
 
 def main() -> None:
-    args = parser(__doc__.splitlines()[0]).parse_args()
-    s = SCALES[args.scale]
+    args, s = parse_args(__doc__.splitlines()[0], SCALES)
     model = NatsConfig(vocab_size=VOCAB, d_model=s["d_model"], n_layers=s["layers"],
                        n_heads=2, softmax_heads_per_head=2, head_dim_k=s["head_dim"],
                        head_dim_v=s["head_dim"], chunk_size=s["chunk"],
