@@ -86,7 +86,7 @@ def run_grid(name: str, args: argparse.Namespace, base: TrainConfig, lrs: Sequen
     out = args.out or Path("runs/experiments") / f"{name}-{args.scale}"
     out.mkdir(parents=True, exist_ok=True)
     budget = Budget(args.max_minutes)
-    reports, skipped = [], []
+    reports, skipped, diverged = [], [], []
     for seed in seeds:
         for arch in args.archs:
             for lr in lrs:
@@ -95,14 +95,20 @@ def run_grid(name: str, args: argparse.Namespace, base: TrainConfig, lrs: Sequen
                     skipped.append(tag)
                     continue
                 run = base.replace(lr=lr, seed=seed, out_dir=str(out / "runs" / tag))
-                report = train_and_eval(run, arch, slices, eval_batches, device,
-                                        out / f"{tag}.json", prefill=device.type == "cuda")
+                try:
+                    report = train_and_eval(run, arch, slices, eval_batches, device,
+                                            out / f"{tag}.json", prefill=device.type == "cuda")
+                except ValueError as e:  # one diverging lr must not cost the whole table
+                    if not str(e).startswith("training diverged"):
+                        raise
+                    diverged.append(f"{tag} ({e})")
+                    continue
                 report["selection_score"] = select(report)
                 reports.append(report)
     summary = {"experiment": name, "scale": args.scale, "device": str(device),
                "device_name": reports[0]["device_name"] if reports else None,
                "minutes": (time.monotonic() - budget.start) / 60, "skipped": skipped,
-               "runs": [_brief(r) for r in reports]}
+               "diverged": diverged, "runs": [_brief(r) for r in reports]}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return reports
 
@@ -168,6 +174,8 @@ def write_table(out: Path, title: str, table: str, notes: Sequence[str]) -> None
            f"{summary['minutes']:.1f} min, torch {torch.__version__}.")
     if summary["skipped"]:
         ran += f" Skipped for the time budget: {', '.join(summary['skipped'])}."
+    if summary["diverged"]:
+        ran += f" Diverged (no row): {'; '.join(summary['diverged'])}."
     text = "\n".join([f"## {title}", "", table, "", *notes, "", ran, ""])
     (out / "table.md").write_text(text)
     print(text)
