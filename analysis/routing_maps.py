@@ -33,7 +33,7 @@ SOFTMAX_RGB = (255, 170, 30)
 LINEAR_RGB = (30, 60, 140)
 """Colour of a chunk routed to linear attention (written into the state)."""
 PLAIN_RGB = {"softmax": (250, 215, 160), "gdn": (160, 175, 210)}
-"""Rows of layers without routes: a plain softmax or Gated DeltaNet layer (pale colours)."""
+"""Rows of layers without routes: a plain softmax or linear layer (pale colours)."""
 GRID_LEFT, GRID_TOP, ROW_HEIGHT, ROW_GAP, BAR_WIDTH = 130, 24, 22, 10, 90
 """Layout of :func:`routing_figure` in pixels: the grid's top-left corner (without a
 title), one routing head's row, the gap between layers, a fraction bar's length at 1.0."""
@@ -104,7 +104,7 @@ def routing_figure(routes: Sequence[torch.Tensor | None], layer_types: Sequence[
     grid_h = sum(heights) + gap * (len(grids) - 1)
     items = [LegendItem("softmax: chunk kept in the KV cache", SOFTMAX_RGB),
              LegendItem("linear: chunk written into the state", LINEAR_RGB)]
-    items += [LegendItem(f"plain {'softmax' if k == 'softmax' else 'Gated DeltaNet'} layer "
+    items += [LegendItem(f"plain {'softmax' if k == 'softmax' else 'linear'} layer "
                          "(no routes)", PLAIN_RGB[k])
               for k in ("softmax", "gdn") if k in layer_types]
     legend_w, legend_h = legend_size(items, font)

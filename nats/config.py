@@ -18,6 +18,10 @@ LAYER_TYPES = ("nats", "gdn", "softmax")
 """A "gdn" layer is the plain linear layer; its operator is ``linear_op`` (the type keeps
 the name it had when Gated DeltaNet was the only one, so saved configs still load)."""
 LINEAR_OPS = ("gated_deltanet", "deltanet", "gated_linear_attention", "linear_attention")
+LINEAR_OP_NAMES = {"gated_deltanet": "Gated DeltaNet", "deltanet": "DeltaNet",
+                   "gated_linear_attention": "gated linear attention",
+                   "linear_attention": "linear attention (ELU+1)"}
+"""How documents name each ``linear_op``."""
 """Operators of the linear branch of NAtS-L layers and of plain linear layers."""
 SAMPLERS = ("argmax", "gumbel")
 LAYER_LISTS = {"softmax_layers": "softmax", "linear_layers": "gdn", "hybrid_layers": "nats"}
@@ -112,6 +116,11 @@ class NatsConfig:
     def mlp_hidden(self) -> int:
         """SwiGLU width, rounded up to a multiple of 8."""
         return 8 * math.ceil(self.mlp_ratio * self.d_model / 8)
+
+    @property
+    def linear_op_name(self) -> str:
+        """The linear operator as a reader knows it, e.g. "Gated DeltaNet"."""
+        return LINEAR_OP_NAMES[self.linear_op]
 
     def layers_of(self, kind: str) -> tuple[int, ...]:
         """Indices of the layers of type ``kind`` ("nats", "gdn" or "softmax")."""

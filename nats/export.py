@@ -7,10 +7,11 @@ size, heads, the softmax fraction each NAtS-L layer measured on the run's evalua
 and where it came from. ``NatsForCausalLM.from_pretrained`` loads it.
 
 With ``plain_layers``, a NAtS-L layer whose routes were all softmax (all linear) on that
-data is exported as a plain softmax (Gated DeltaNet) layer. Such a mixer cannot take the
-supernet's weights exactly (the NAtS-L layer has short convolutions, a branch mix and an
-output gate that a plain layer lacks, and an all-linear NAtS-L layer still attends within
-its own chunk), so it is freshly initialised; every other tensor is carried over.
+data is exported as a plain softmax (plain linear: the config's ``linear_op``) layer. Such
+a mixer cannot take the supernet's weights exactly (the NAtS-L layer has a branch mix, an
+output gate and parameters a plain layer lacks, and an all-linear NAtS-L layer still
+attends within its own chunk), so it is freshly initialised; every other tensor is
+carried over.
 """
 
 from __future__ import annotations
@@ -41,8 +42,7 @@ README_FILE = "README.md"
 TRAIN_CONFIG_FILE = "train_config.json"
 PLAIN_KIND = {ALL_SOFTMAX: "softmax", ALL_LINEAR: "gdn"}
 """The plain layer type that a NAtS-L layer with these routes is exported as."""
-_NAMES = {"nats": "NAtS-L (hybrid)", "softmax": "softmax attention",
-          "gdn": "Gated DeltaNet (linear)"}
+_NAMES = {"nats": "NAtS-L (hybrid)", "softmax": "softmax attention"}
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -307,7 +307,8 @@ def render_readme(result: ExportResult, init_seed: int = 0) -> str:
     cfg = result.config
     lines = [f"# NAtS-L architecture export: {cfg.n_layers} layers", "",
              f"Exported by `nats export` from {result.origin}.", ""]
-    mix = "; ".join(f"{_NAMES[kind]} {list(cfg.layers_of(kind))}"
+    names = {**_NAMES, "gdn": f"{cfg.linear_op_name} (linear)"}
+    mix = "; ".join(f"{names[kind]} {list(cfg.layers_of(kind))}"
                     for kind in ("nats", "softmax", "gdn") if cfg.layers_of(kind))
     r = cfg.softmax_heads_per_head
     weights = (f"`{WEIGHTS_FILE}` ({result.dtype}), the trained tensors"
@@ -352,7 +353,7 @@ def render_readme(result: ExportResult, init_seed: int = 0) -> str:
     lines.append("")
     if result.converted:
         plain = {"softmax": ("softmax attention", "softmax"),
-                 "gdn": ("linear attention", "Gated DeltaNet")}
+                 "gdn": ("linear attention", cfg.linear_op_name)}
         listed = "; ".join(f"layer {i} routed every chunk to {plain[t][0]} and is exported as "
                            f"a plain {plain[t][1]} layer" for i, t in result.converted.items())
         lines += ["## Plain layers", "",
@@ -367,7 +368,7 @@ def render_readme(result: ExportResult, init_seed: int = 0) -> str:
                       for key, kind in LAYER_LISTS.items())
     lines += ["## Use", "",
               f"`{CONFIG_FILE}` is a `NatsConfig`. Beside `layer_types` it lists the layers "
-              f"plainly for other codebases: {lists} (softmax attention, Gated DeltaNet, "
+              f"plainly for other codebases: {lists} (softmax attention, {cfg.linear_op_name}, "
               "NAtS-L).", "",
               "```python", "from nats import NatsForCausalLM", "",
               f'model = NatsForCausalLM.from_pretrained("{result.out_dir}")', "```", "",

@@ -2,7 +2,7 @@
 
 The cost of a trial is :func:`nats.analysis.cost_model.architecture_cost` of its model at
 a target context length, with each NAtS-L layer's softmax fraction as measured by the
-trial's latest evaluation (``eval/attn_frac/layer{i}``); softmax and Gated DeltaNet
+trial's latest evaluation (``eval/attn_frac/layer{i}``); plain softmax and linear
 layers have their implied fractions (1 and 0).
 """
 
