@@ -81,7 +81,9 @@ def run_grid(name: str, args: argparse.Namespace, base: TrainConfig, lrs: Sequen
              seeds: Sequence[int], slices: Sequence[TrainConfig], eval_batches: int,
              select: Callable[[dict[str, Any]], float]) -> list[dict[str, Any]]:
     """Every architecture x learning rate x seed, in that order of priority under the budget
-    (all architectures at the first seed before any second seed). Returns the reports."""
+    (all architectures at the first seed before any second seed). A run whose JSON report
+    is already in the folder is read back, not trained again, so the same command with more
+    ``--max-minutes`` finishes a grid the budget cut short. Returns the reports."""
     device = resolve_device(args.device)
     out = args.out or Path("runs/experiments") / f"{name}-{args.scale}"
     out.mkdir(parents=True, exist_ok=True)
@@ -91,18 +93,22 @@ def run_grid(name: str, args: argparse.Namespace, base: TrainConfig, lrs: Sequen
         for arch in args.archs:
             for lr in lrs:
                 tag = f"{arch}-lr{lr:g}-seed{seed}"
-                if not budget.left():
+                done = out / f"{tag}.json"
+                if done.is_file():  # finished by an earlier call: a cut-short grid goes on
+                    report = json.loads(done.read_text())
+                elif not budget.left():
                     skipped.append(tag)
                     continue
-                run = base.replace(lr=lr, seed=seed, out_dir=str(out / "runs" / tag))
-                try:
-                    report = train_and_eval(run, arch, slices, eval_batches, device,
-                                            out / f"{tag}.json", prefill=device.type == "cuda")
-                except ValueError as e:  # one diverging lr must not cost the whole table
-                    if not str(e).startswith("training diverged"):
-                        raise
-                    diverged.append(f"{tag} ({e})")
-                    continue
+                else:
+                    run = base.replace(lr=lr, seed=seed, out_dir=str(out / "runs" / tag))
+                    try:
+                        report = train_and_eval(run, arch, slices, eval_batches, device, done,
+                                                prefill=device.type == "cuda")
+                    except ValueError as e:  # one diverging lr must not cost the whole table
+                        if not str(e).startswith("training diverged"):
+                            raise
+                        diverged.append(f"{tag} ({e})")
+                        continue
                 report["selection_score"] = select(report)
                 reports.append(report)
     summary = {"experiment": name, "scale": args.scale, "device": str(device),

@@ -65,15 +65,17 @@ def main() -> None:
               *COST_HEADER]
     rows = []
     for arch, runs in best_per_seed(reports).items():
-        accs = [mean_std([r["slices"][i]["sequence_accuracy"] for r in runs])
+        accs = [f'{mean_std([r["slices"][i]["sequence_accuracy"] for r in runs])} '
+                f'({mean_std([r["slices"][i]["accuracy"] for r in runs])})'
                 for i in range(len(settings))]
         frac = mean_std([r["slices"][0]["softmax_fraction"] for r in runs])
         rows.append([arch, *accs, frac, *cost_cells(runs[0], 0)])
     out = args.out or Path("runs/experiments") / f"needle-{args.scale}"
     write_table(out, f"Needle retrieval ({args.scale} scale, trained at {s['train']} on text "
                      "haystacks with 1 distractor)", markdown_table(header, rows),
-                ["Cells: share of rows whose 7 answer digits are all right; columns: length, "
-                 "haystack, distractors. Softmax fraction and cost at the first slice."])
+                ["Cells: share of rows whose 7 answer digits are all right (in brackets: "
+                 "share of answer digits right, chance 0.1); columns: length, haystack, "
+                 "distractors. Softmax fraction and cost at the first slice."])
 
 
 if __name__ == "__main__":
