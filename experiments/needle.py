@@ -37,10 +37,11 @@ SCALES = {
     "gpu": dict(d_model=128, layers=4, head_dim=64, chunk=64, train=1024, test=(1024, 4096),
                 steps=1500, batch=32, lrs=(1e-3,), seeds=(0,), eval_batches=4, minutes=55),
     "gpu-quick": dict(d_model=128, layers=2, head_dim=64, chunk=64, train=1024, test=(1024,),
-                      steps=400, batch=16, lrs=(3e-3,), seeds=(0,), eval_batches=4,
+                      steps=400, batch=16, lrs=(1e-2,), seeds=(0,), eval_batches=4,
                       minutes=1.5),
     "cpu": dict(d_model=64, layers=2, head_dim=32, chunk=16, train=128, test=(128, 256),
-                steps=1200, batch=16, lrs=(3e-3,), seeds=(0,), eval_batches=2, minutes=12),
+                steps=1200, batch=16, lrs=(3e-3, 1e-2), seeds=(0,), eval_batches=2,
+                minutes=12),
 }
 HAYSTACKS, DISTRACTORS = ("repeated", "text"), (0, 2)
 
@@ -60,8 +61,9 @@ def main() -> None:
     slices = [base.replace(seq_len=t, needle_haystack=h, needle_distractors=d)
               for t, h, d in settings]
     reports = run_grid("needle", args, base, s["lrs"], s["seeds"], slices, s["eval_batches"],
-                       select=lambda r: sum(x["sequence_accuracy"] for x in r["slices"]))
-    header = ["arch", *(f"{t} {h} d={d}" for t, h, d in settings), "softmax frac",
+                       select=lambda r: sum(x["sequence_accuracy"] + x["accuracy"]
+                                            for x in r["slices"]))
+    header = ["arch", "lr", *(f"{t} {h} d={d}" for t, h, d in settings), "softmax frac",
               *COST_HEADER]
     rows = []
     for arch, runs in best_per_seed(reports).items():
@@ -69,7 +71,8 @@ def main() -> None:
                 f'({mean_std([r["slices"][i]["accuracy"] for r in runs])})'
                 for i in range(len(settings))]
         frac = mean_std([r["slices"][0]["softmax_fraction"] for r in runs])
-        rows.append([arch, *accs, frac, *cost_cells(runs[0], 0)])
+        rows.append([arch, ", ".join(f"{r['lr']:g}" for r in runs), *accs, frac,
+                     *cost_cells(runs[0], 0)])
     out = args.out or Path("runs/experiments") / f"needle-{args.scale}"
     write_table(out, f"Needle retrieval ({args.scale} scale, trained at {s['train']} on text "
                      "haystacks with 1 distractor)", markdown_table(header, rows),
