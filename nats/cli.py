@@ -17,8 +17,8 @@ import torch
 from nats import NatsForCausalLM
 
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
-_OVERRIDES = ("task", "steps", "batch_size", "seq_len", "lr", "warmup_steps", "seed", "device",
-              "out_dir", "grad_accum_steps", "precision", "compile", "init_from",
+_OVERRIDES = ("task", "steps", "batch_size", "seq_len", "lr", "warmup_steps", "reg_start", "seed",
+              "device", "out_dir", "grad_accum_steps", "precision", "compile", "init_from",
               "eval_interval", "eval_batches", "log_interval", "checkpoint_interval",
               "keep_checkpoints", "mqar_pairs", "data_paths", "data_format", "text_field",
               "tokenizer", "streaming", "eval_seed", "mqar_placement", "mqar_filler",
@@ -191,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seq-len", type=int)
     train.add_argument("--lr", type=float)
     train.add_argument("--warmup-steps", type=int)
+    train.add_argument("--reg-start", type=float, metavar="FRACTION",
+                       help="fraction of the steps before the routing cost term applies")
     train.add_argument("--seed", type=int)
     train.add_argument("--device", help="auto, cpu, cuda or cuda:N")
     train.add_argument("--precision", choices=PRECISIONS,

@@ -48,6 +48,10 @@ class TrainConfig:
     warmup_steps: int = 50
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    reg_start: float = 0.0
+    """Fraction of the steps trained before the routing cost term (``reg_lambda``) applies:
+    until then the scorers learn from the task alone, so the cost cannot push every chunk
+    to linear attention before the task shows which chunks need softmax."""
     grad_accum_steps: int = 1
     precision: str = "auto"
     compile: bool = False
@@ -105,7 +109,7 @@ class TrainConfig:
                 _fail(name, value, "a number > 0")
         if not isinstance(self.weight_decay, (int, float)) or not self.weight_decay >= 0:
             _fail("weight_decay", self.weight_decay, "a number >= 0")
-        for name in ("min_lr_ratio", "val_fraction"):
+        for name in ("min_lr_ratio", "val_fraction", "reg_start"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 <= value <= 1:
                 _fail(name, value, "a number in [0, 1]")

@@ -100,9 +100,14 @@ class _StepStats:
     attn_frac: list[torch.Tensor | None]
 
 
+def reg_weight_at(step: int, config: TrainConfig) -> float:
+    """Weight of the routing cost term at ``step``: 0 before ``reg_start`` of the run, 1 after."""
+    return 0.0 if step < config.reg_start * config.steps else 1.0
+
+
 def _train_step(forward: Callable, ddp: DistributedDataParallel | None, batch: Batch,
                 config: TrainConfig, world: World, device: torch.device,
-                autocast: contextlib.AbstractContextManager) -> _StepStats:
+                autocast: contextlib.AbstractContextManager, reg_weight: float) -> _StepStats:
     """Gradients of one global batch, split over ranks and ``grad_accum_steps`` micro-batches.
 
     Each micro-batch's loss is weighted by its share of the global batch's labelled tokens
@@ -123,7 +128,7 @@ def _train_step(forward: Callable, ddp: DistributedDataParallel | None, batch: B
             with autocast:
                 out = forward(input_ids[part])
                 ce_sum = next_token_cross_entropy(out.logits, labels[part], reduction="sum")
-            reg = out.reg_loss.float()
+            reg = out.reg_loss.float() * reg_weight
             # DDP averages gradients over ranks: scale by the world size to get their sum.
             loss = (ce_sum / global_tokens + reg * micro / global_rows) * world.size
             loss.backward()
@@ -252,7 +257,7 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
                 set_lr(optimizer, lr)
                 optimizer.zero_grad(set_to_none=True)
                 stats = _train_step(forward, ddp, batches.train(step), config, world, device,
-                                    autocast)
+                                    autocast, reg_weight_at(step, config))
                 if not math.isfinite(stats.loss):
                     raise ValueError(f"training diverged: the loss is {stats.loss} at step "
                                      f"{step + 1}; the newest checkpoint is {checkpoint}")

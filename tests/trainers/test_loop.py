@@ -209,3 +209,21 @@ def test_other_tasks_train(micro: MicroConfig, tmp_path: Path, task: str) -> Non
                    val_fraction=0.2, model=micro().model.replace(vocab_size=256))
     result = train(config)
     assert result.step == 2 and all(math.isfinite(v) for v in result.train_losses)
+
+
+def test_the_cost_term_applies_from_reg_start_on(micro: MicroConfig, tmp_path: Path) -> None:
+    def run(name: str, reg_lambda: float, reg_start: float):
+        config = micro(out_dir=str(tmp_path / name), eval_interval=6)
+        config = config.replace(model=config.model.replace(reg_lambda=reg_lambda),
+                                reg_start=reg_start)
+        return train(config)
+
+    plain = run("plain", 0.0, 0.0)
+    never = run("never", 0.5, 1.0)  # the cost term never applies: the plain run exactly
+    assert never.train_losses == plain.train_losses
+    for (name, a), b in zip(never.model.state_dict().items(), plain.model.state_dict().values(),
+                            strict=True):
+        assert torch.equal(a, b), name
+    half = run("half", 0.5, 0.5)  # steps 0-2 without it, 3-5 with it
+    assert half.train_losses[:3] == plain.train_losses[:3]
+    assert half.train_losses[3] > plain.train_losses[3]  # ce and the same params + 0.5 * reg
