@@ -100,7 +100,7 @@ class LegendItem:
     label: str
     color: Color
     marker: str = "box"
-    """``"box"`` (filled square), ``"line"``, ``"dot"`` or ``"ring"``."""
+    """``"box"`` (filled square), ``"line"``, ``"dashed"``, ``"dot"`` or ``"ring"``."""
 
 
 def legend_size(items: Sequence[LegendItem], font: ImageFont.ImageFont | ImageFont.FreeTypeFont,
@@ -124,6 +124,8 @@ def draw_legend(img: Image.Image, items: Sequence[LegendItem], corner: tuple[flo
         cy = y + 14 + 20 * n
         if item.marker == "line":
             draw.line([x + 8, cy, x + 28, cy], fill=item.color, width=3)
+        elif item.marker == "dashed":
+            _dashed_line(draw, (x + 6, cy), (x + 30, cy), item.color, 3, dash=4.0)
         elif item.marker == "dot":
             draw.ellipse([x + 13, cy - 5, x + 23, cy + 5], fill=item.color, outline="black")
         elif item.marker == "ring":
@@ -243,7 +245,8 @@ def line_plot(series: Sequence[Series], *, xlabel: str, ylabel: str, title: str 
     shown = [[p for p in s.points if (not log_x or p[0] > 0) and (not log_y or p[1] > 0)]
              for s in series]
     items = [LegendItem(s.label + ("" if len(p) == len(s.points) else " (0: not drawn)"),
-                        s.color, "line") for s, p in zip(series, shown, strict=True)]
+                        s.color, "dashed" if s.dashed else "line")
+             for s, p in zip(series, shown, strict=True)]
     legend_w = max(legend_size(items, font)[0], legend_width)
     width, height = size
     width = max(width, 420 + legend_w)
