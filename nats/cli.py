@@ -45,6 +45,8 @@ def _train(args: argparse.Namespace) -> int:
         from nats.trainers.config import with_architecture
 
         config = with_architecture(config, args.arch, args.softmax_every)
+    if args.reg_lambda is not None:
+        config = config.replace(model=config.model.replace(reg_lambda=args.reg_lambda))
     result = train(config, resume=args.resume)
     if result.interrupted:
         print(f"nats: interrupted at step {result.step}; continue with: "
@@ -214,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="replace the preset's mixers by a baseline's (same width, depth)")
     train.add_argument("--softmax-every", type=int, default=2, metavar="K",
                        help="layer-hybrid / natsl: softmax (NAtS-L) in every K-th layer")
+    train.add_argument("--reg-lambda", type=float, metavar="LAMBDA",
+                       help="weight of the routing cost term (NAtS-L layers; default: the "
+                            "preset's, 0 for the built-in ones)")
     train.add_argument("--out", dest="out_dir", help="run folder: logs, checkpoints, model/")
     train.add_argument("--data", dest="data_paths", nargs="+", metavar="PATH",
                        help="files, folders or a save_to_disk folder for task 'text' "

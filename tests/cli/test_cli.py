@@ -46,6 +46,8 @@ def _nats(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
     ["train", "--preset", "bytes-small", "--tokenizer", "."],  # no tokenizer.json
     ["train", "--data-format", "xml"],
     ["train", "--eval-seed", "-1"],
+    ["train", "--reg-lambda", "-1"],
+    ["train", "--reg-start", "1.5"],
     ["train", "--task", "needle", "--seq-len", "8"],
     ["train", "--config", "/no/such/config.json"],
     ["train", "--config", "."],
@@ -201,3 +203,12 @@ def test_module_entry_point() -> None:
     done = subprocess.run([sys.executable, "-m", "nats.cli", "--help"], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0 and "train" in done.stdout and "generate" in done.stdout
+
+
+def test_routing_cost_options_reach_the_run_config(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    assert main(["train", "--preset", "mqar-tiny", "--arch", "natsl-all", "--reg-lambda", "0.1",
+                 "--reg-start", "0.5", "--steps", "2", "--eval-interval", "2",
+                 "--out", str(out)]) == 0
+    saved = json.loads((out / "train_config.json").read_text())
+    assert (saved["model"]["reg_lambda"], saved["reg_start"]) == (0.1, 0.5)
