@@ -370,7 +370,15 @@ def _ray_init(address: str | None) -> bool:
         return False
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address)
+        try:
+            ray.init(address=address)
+        except ConnectionError as e:
+            hint = ""
+            if os.environ.get("RAY_AUTH_MODE") != "token":
+                hint = ("; a cluster started by `ray start` (Ray >= 2.59) requires token "
+                        "authentication: set RAY_AUTH_MODE=token here too (the token comes "
+                        "from RAY_AUTH_TOKEN or ~/.ray/auth_token)")
+            raise ConnectionError(f"{e}{hint}") from e
     else:
         ray.init(include_dashboard=False)
     return True

@@ -175,3 +175,22 @@ def test_latency_cost_is_measured_per_trial(tmp_path: Path, local_ray, capsys) -
     for row in got["rows"]:
         record = json.loads((out / "trials" / row["trial_id"] / "search_trial.json").read_text())
         assert record["metrics"]["cost/latency_ms"] == float(row["cost/latency_ms"])
+
+
+def test_a_refused_cluster_connection_names_token_authentication(monkeypatch, capsys) -> None:
+    """Ray >= 2.59 clusters from `ray start` require a token that a client only sends with
+    RAY_AUTH_MODE=token: the one-line error says so (seen with Ray 2.60 here)."""
+    import nats.search_spaces.search as search
+
+    def refuse(**kwargs) -> None:
+        raise ConnectionError(f"Failed to connect to Ray cluster at {kwargs['address']}")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    with pytest.raises(ConnectionError, match="set RAY_AUTH_MODE=token"):
+        search._ray_init("10.0.0.1:6379")
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    with pytest.raises(ConnectionError) as refused:
+        search._ray_init("10.0.0.1:6379")
+    assert str(refused.value) == "Failed to connect to Ray cluster at 10.0.0.1:6379"
