@@ -68,6 +68,17 @@ def format_tick(v: float) -> str:
     return f"{v:.4g}"
 
 
+def tick_labels(ticks: Sequence[float], fmt: Callable[[float], str]) -> list[str]:
+    """``fmt`` of every tick; with :func:`format_tick`, as many significant digits as it takes
+    to tell the ticks apart (a narrow range such as 3.4992 .. 3.5002 needs more than 4)."""
+    labels = [fmt(t) for t in ticks]
+    digits = 5
+    while fmt is format_tick and len(set(labels)) < len(labels) and digits <= 12:
+        labels = [f"{t:.{digits}g}" for t in ticks]
+        digits += 1
+    return labels
+
+
 def format_si(v: float) -> str:
     """``1.5K``, ``64M``, ``2G``: decimal SI prefixes, for counts of bytes and FLOPs."""
     for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
@@ -180,20 +191,21 @@ class Axes:
         font = font or load_font()
         draw = ImageDraw.Draw(img)
         left, top, right, bottom = self.box
-        for t in self.xticks:
+        xlabels, ylabels = tick_labels(self.xticks, xfmt), tick_labels(self.yticks, yfmt)
+        for t, label in zip(self.xticks, xlabels, strict=True):
             u, _ = self.px(t, self.yticks[0])
             draw.line([u, top, u, bottom], fill=GRID)
             draw.line([u, bottom, u, bottom + 5], fill="black")
-            draw.text((u, bottom + 8), xfmt(t), fill="black", font=font, anchor="mt")
-        for t in self.yticks:
+            draw.text((u, bottom + 8), label, fill="black", font=font, anchor="mt")
+        for t, label in zip(self.yticks, ylabels, strict=True):
             _, v = self.px(self.xticks[0], t)
             draw.line([left, v, right, v], fill=GRID)
             draw.line([left - 5, v, left, v], fill="black")
-            draw.text((left - 8, v), yfmt(t), fill="black", font=font, anchor="rm")
+            draw.text((left - 8, v), label, fill="black", font=font, anchor="rm")
         draw.rectangle([left, top, right, bottom], outline="black")
         draw.text(((left + right) / 2, bottom + 34), xlabel, fill="black", font=font,
                   anchor="mt")
-        widest = max((draw.textlength(yfmt(t), font=font) for t in self.yticks), default=0)
+        widest = max((draw.textlength(label, font=font) for label in ylabels), default=0)
         vertical_text(img, ylabel, (left - widest - 24, (top + bottom) / 2), font)
         if title:
             draw.text(((left + right) / 2, top - 12), title, fill="black", font=font,
