@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from PIL import Image
 
 from .cost_model import ArchitectureCost
-from .plotting import PALETTE, Series, format_si, format_tokens, line_plot
+from .plotting import PALETTE, Series, format_si, format_tokens, line_plot, stack
 
 VARIANTS = ("model", "all-softmax", "all-linear")
 """The curves of :func:`compare_costs`, in the order they are shown."""
@@ -69,10 +69,4 @@ def cost_figure(curves: Mapping[str, Sequence[ArchitectureCost]], title: str = "
                                 legend_width=LEGEND_WIDTH,
                                 title=(f"{title}: " if title and n == 0 else "") + metric.title,
                                 size=(width, 360)))
-    out = Image.new("RGB", (max(p.width for p in panels), sum(p.height for p in panels)),
-                    "white")
-    y = 0
-    for p in panels:
-        out.paste(p, (0, y))
-        y += p.height
-    return out
+    return stack(panels)

@@ -68,6 +68,17 @@ def format_tick(v: float) -> str:
     return f"{v:.4g}"
 
 
+def stack(images: Sequence[Image.Image]) -> Image.Image:
+    """``images`` one below the other on white, left-aligned, as wide as the widest."""
+    out = Image.new("RGB", (max(i.width for i in images), sum(i.height for i in images)),
+                    "white")
+    y = 0
+    for image in images:
+        out.paste(image, (0, y))
+        y += image.height
+    return out
+
+
 def tick_labels(ticks: Sequence[float], fmt: Callable[[float], str]) -> list[str]:
     """``fmt`` of every tick; with :func:`format_tick`, as many significant digits as it takes
     to tell the ticks apart (a narrow range such as 3.4992 .. 3.5002 needs more than 4)."""

@@ -15,7 +15,7 @@ from typing import Any
 from PIL import Image
 
 from .pareto import plot_front
-from .plotting import bar_chart
+from .plotting import bar_chart, stack
 
 
 @dataclass(frozen=True)
@@ -105,13 +105,7 @@ def importance_figure(view: SearchView) -> Image.Image | None:
               for key, imp in view.importances.items() if imp]
     if not charts:
         return None
-    out = Image.new("RGB", (max(c.width for c in charts), sum(c.height for c in charts)),
-                    "white")
-    y = 0
-    for c in charts:
-        out.paste(c, (0, y))
-        y += c.height
-    return out
+    return stack(charts)
 
 
 def front_table(view: SearchView) -> tuple[list[str], list[list[str]]]:

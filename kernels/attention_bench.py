@@ -354,9 +354,15 @@ def write_json(path: Path, result: AttentionBenchResult) -> None:
 def plot_result(result: AttentionBenchResult, path: Path) -> Path:
     """Log-log panels: forward ms against T (solid: softmax and chunked, dashed:
     recurrent), decode ms per token and the bytes a step reads against the context."""
-    from PIL import Image
 
-    from nats.analysis.plotting import PALETTE, Series, format_tokens, line_plot, save_png
+    from nats.analysis.plotting import (
+        PALETTE,
+        Series,
+        format_tokens,
+        line_plot,
+        save_png,
+        stack,
+    )
 
     # One colour per softmax method and per operator, the same in every panel.
     colors = dict(zip((*SOFTMAX_METHODS, *LINEAR_OPS), PALETTE, strict=True))
@@ -386,13 +392,7 @@ def plot_result(result: AttentionBenchResult, path: Path) -> Path:
                   ylabel="MiB held (KV cache or state)", title="decoding memory",
                   log_x=True, log_y=True, xfmt=format_tokens, size=(900, 420)),
     ]
-    width = max(p.width for p in panels)
-    img = Image.new("RGB", (width, sum(p.height for p in panels)), "white")
-    top = 0
-    for p in panels:
-        img.paste(p, (0, top))
-        top += p.height
-    return save_png(img, path)
+    return save_png(stack(panels), path)
 
 
 __all__ = ["AttentionBenchConfig", "AttentionBenchResult", "Timing", "default_config",
