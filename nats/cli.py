@@ -265,8 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write config.json and README.md only")
     export.add_argument("--plain-layers", action="store_true",
                         help="export NAtS-L layers routed all-softmax / all-linear on the "
-                             "evaluation data as softmax / Gated DeltaNet layers (their "
-                             "mixers freshly initialised)")
+                             "evaluation data as plain softmax / linear (linear_op) layers "
+                             "(their mixers freshly initialised)")
     export.add_argument("--eval-batches", type=int,
                         help="evaluation batches to measure routes on (default: the run's; "
                              "0: do not measure)")
