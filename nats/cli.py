@@ -22,7 +22,7 @@ _OVERRIDES = ("task", "steps", "batch_size", "seq_len", "lr", "warmup_steps", "r
               "eval_interval", "eval_batches", "log_interval", "checkpoint_interval",
               "keep_checkpoints", "mqar_pairs", "data_paths", "data_format", "text_field",
               "tokenizer", "streaming", "eval_seed", "mqar_placement", "mqar_filler",
-              "mqar_queries", "needle_distractors", "needle_haystack")
+              "mqar_queries", "mqar_pairs_mix", "needle_distractors", "needle_haystack")
 """``TrainConfig`` fields that ``nats train`` options override (same names as ``dest``)."""
 
 
@@ -38,8 +38,9 @@ def _train(args: argparse.Namespace) -> int:
 
     overrides: dict[str, Any] = {name: getattr(args, name) for name in _OVERRIDES
                                  if getattr(args, name) is not None}
-    if "data_paths" in overrides:
-        overrides["data_paths"] = tuple(overrides["data_paths"])
+    for name in ("data_paths", "mqar_pairs_mix"):
+        if name in overrides:
+            overrides[name] = tuple(overrides[name])
     config = run_config(args.preset, overrides, resume=args.resume, config_path=args.config)
     if args.arch is not None:
         from nats.trainers.config import with_architecture
@@ -210,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--mqar-placement", choices=MQARTask.PLACEMENTS)
     train.add_argument("--mqar-filler", choices=MQARTask.FILLERS)
     train.add_argument("--mqar-queries", choices=MQARTask.QUERIES)
+    train.add_argument("--mqar-pairs-mix", type=int, nargs="+", metavar="PAIRS",
+                       help="train on batches of these pair counts, one drawn per batch "
+                            "(e.g. 4 8 16 32 64); evaluation keeps --mqar-pairs")
     train.add_argument("--needle-distractors", type=int)
     train.add_argument("--needle-haystack", choices=NeedleTask.HAYSTACKS)
     train.add_argument("--arch", choices=ARCHITECTURES,

@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 from nats.config import ConfigError, NatsConfig, fail, reject_unknown_fields
 
 from .checkpoint import latest_checkpoint, read_checkpoint_meta
-from .synthetic import CopyTask, MQARTask, NeedleTask
+from .synthetic import CopyTask, MQARTask, NeedleTask, SyntheticTask, TaskMixture
 
 TASKS = ("copy", "mqar", "needle", "text")
 """``copy``, ``mqar`` and ``needle`` are generated; ``text`` is a local corpus (default: the
@@ -71,6 +71,10 @@ class TrainConfig:
     mqar_filler: str = "random"
     mqar_queries: str = "power-law"
     """MQAR layout knobs (see :class:`MQARTask`); the defaults are Zoology's layout."""
+    mqar_pairs_mix: tuple[int, ...] = ()
+    """Pair counts that training batches draw from, one count per batch, uniformly (Zoology's
+    mixture of difficulties, e.g. ``(4, 8, 16, 32, 64)``); the layout knobs and ``seq_len``
+    stay. Empty: every batch has ``mqar_pairs``. Evaluation always uses ``mqar_pairs``."""
     needle_key_len: int = 3
     needle_distractors: int = 0
     needle_haystack: str = "random"
@@ -175,12 +179,30 @@ class TrainConfig:
                 _fail("seq_len", self.seq_len,
                       f"at least 4 * mqar_pairs = {4 * self.mqar_pairs} for task 'mqar'")
         try:
-            self.synthetic_task()
+            task = self.synthetic_task()
         except ConfigError as e:
             raise ConfigError(f"TrainConfig task {self.task!r}: {e}") from None
+        self._check_mqar_pairs_mix(task)
+
+    def _check_mqar_pairs_mix(self, task: SyntheticTask | None) -> None:
+        mix = self.mqar_pairs_mix
+        if not isinstance(mix, tuple) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in mix):
+            _fail("mqar_pairs_mix", mix, "a tuple of pair counts, integers >= 1")
+        if not mix:
+            return
+        if not isinstance(task, MQARTask):
+            _fail("mqar_pairs_mix", mix, f"() unless task is 'mqar' (task is {self.task!r})")
+        if max(mix) > task.half - 1:
+            _fail("mqar_pairs_mix", mix, f"pair counts in 1 .. {task.half - 1} (distinct "
+                  f"keys 1 .. h - 1, h = {task.half} for model.vocab_size={task.vocab_size})")
+        if 4 * max(mix) > self.seq_len:
+            _fail("mqar_pairs_mix", mix, f"pair counts in 1 .. seq_len // 4 = "
+                  f"{self.seq_len // 4} (seq_len >= 4 * pairs)")
 
     def synthetic_task(self) -> CopyTask | MQARTask | NeedleTask | None:
-        """The generated task this run trains and evaluates on (``None`` for text)."""
+        """The generated task this run evaluates on, and trains on unless ``mqar_pairs_mix``
+        is set (``None`` for text)."""
         vocab = self.model.vocab_size
         if self.task == "copy":
             return CopyTask(self.seq_len, self.copy_symbols)
@@ -192,6 +214,14 @@ class TrainConfig:
                               distractors=self.needle_distractors, haystack=self.needle_haystack)
         return None
 
+    def training_task(self) -> SyntheticTask | TaskMixture | None:
+        """The generated task training batches come from: :meth:`synthetic_task`, or with
+        ``mqar_pairs_mix`` one MQAR task per pair count, drawn per batch."""
+        task = self.synthetic_task()
+        if not self.mqar_pairs_mix or not isinstance(task, MQARTask):
+            return task
+        return TaskMixture(tuple(dataclasses.replace(task, pairs=n) for n in self.mqar_pairs_mix))
+
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with ``changes`` applied and validated."""
         return dataclasses.replace(self, **changes)
@@ -201,6 +231,7 @@ class TrainConfig:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["model"] = self.model.to_dict()
         out["data_paths"] = list(self.data_paths)
+        out["mqar_pairs_mix"] = list(self.mqar_pairs_mix)
         return out
 
     @classmethod
@@ -212,6 +243,8 @@ class TrainConfig:
         values = dict(data)
         values["model"] = NatsConfig.from_dict(values["model"])
         values["data_paths"] = tuple(values.get("data_paths", ()))
+        if isinstance(values.get("mqar_pairs_mix"), list):  # JSON has no tuples
+            values["mqar_pairs_mix"] = tuple(values["mqar_pairs_mix"])
         return cls(**values)
 
 

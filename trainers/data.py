@@ -82,7 +82,8 @@ class Batches:
 
 
 def build_batches(config: TrainConfig) -> Batches:
-    """The batches ``config`` asks for; generated tasks evaluate on their own stream.
+    """The batches ``config`` asks for; generated tasks evaluate on their own stream (an
+    MQAR run with ``mqar_pairs_mix`` trains on the mixture, evaluates on ``mqar_pairs``).
 
     Text errors (a missing path, an empty split, a bad ``text_field`` or tokenizer) are
     one-line ``ValueError`` / ``FileNotFoundError``s raised here, before any training.
@@ -91,7 +92,7 @@ def build_batches(config: TrainConfig) -> Batches:
     evaluate: Source | StreamWindows
     task = config.synthetic_task()
     if task is not None:
-        train = evaluate = task
+        train, evaluate = config.training_task(), task
     else:
         tokenizer = load_tokenizer(config.tokenizer)
         if tokenizer.vocab_size > config.model.vocab_size:

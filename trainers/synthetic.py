@@ -1,4 +1,5 @@
-"""Generated sequence tasks whose answers are known exactly: copy, MQAR and needle retrieval.
+"""Generated sequence tasks whose answers are known exactly: copy, MQAR and needle retrieval
+(and a per-batch mixture of them, for training on several difficulties).
 
 All return HF-style ``(input_ids, labels)``: labels have the shape of the inputs, the
 model shifts them, and ``-100`` marks positions that carry no loss.
@@ -291,6 +292,33 @@ class NeedleTask:
         hit = (body.unfold(1, n, 1) == question[:, None, :]).all(-1)  # [B, T - 2n + 1]
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)
         return _mark_spans(hit, rows, input_ids.shape, width=n)
+
+
+SyntheticTask = CopyTask | MQARTask | NeedleTask
+
+
+@dataclass(frozen=True)
+class TaskMixture:
+    """Each batch from one of ``tasks``, picked uniformly by the batch's own generator.
+
+    Zoology trains MQAR on a mixture of difficulties (4 .. 64 pairs): the easy batches
+    teach the recall mechanism that the hard ones need and that a model trained on the
+    hard ones alone may never find. One task per batch, not per row, keeps the rows
+    stackable and every row's loss positions alike, so all tasks share one ``seq_len``.
+    A task listed twice is drawn twice as often.
+    """
+
+    tasks: tuple[SyntheticTask, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tasks, tuple) or not self.tasks:
+            _fail(self, "tasks", "a non-empty tuple of tasks")
+        if len({task.seq_len for task in self.tasks}) > 1:
+            _fail(self, "tasks", "tasks of one seq_len (their rows share a batch)")
+
+    def sample(self, batch_size: int, generator: torch.Generator) -> Batch:
+        pick = int(torch.randint(len(self.tasks), (), generator=generator))
+        return self.tasks[pick].sample(batch_size, generator)
 
 
 @functools.cache

@@ -48,6 +48,11 @@ def _nats(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
     ["train", "--eval-seed", "-1"],
     ["train", "--reg-lambda", "-1"],
     ["train", "--reg-start", "1.5"],
+    ["train", "--preset", "mqar-tiny", "--mqar-pairs-mix", "4", "9"],  # 4 * 9 > seq_len 32
+    ["train", "--preset", "mqar-tiny", "--mqar-pairs-mix", "0"],
+    ["train", "--preset", "mqar-tiny", "--mqar-pairs-mix", "four"],
+    ["train", "--preset", "mqar-tiny", "--mqar-pairs-mix"],
+    ["train", "--mqar-pairs-mix", "4"],  # preset tiny is a copy task
     ["train", "--task", "needle", "--seq-len", "8"],
     ["train", "--config", "/no/such/config.json"],
     ["train", "--config", "."],
@@ -212,3 +217,17 @@ def test_routing_cost_options_reach_the_run_config(tmp_path: Path) -> None:
                  "--out", str(out)]) == 0
     saved = json.loads((out / "train_config.json").read_text())
     assert (saved["model"]["reg_lambda"], saved["reg_start"]) == (0.1, 0.5)
+
+
+def test_mqar_pairs_mix_reaches_the_run_config(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    assert main(["train", "--preset", "mqar-tiny", "--mqar-pairs-mix", "2", "4", "8",
+                 "--steps", "2", "--batch-size", "4", "--eval-interval", "2",
+                 "--device", "cpu", "--out", str(out)]) == 0
+    saved = json.loads((out / "train_config.json").read_text())
+    assert (saved["mqar_pairs_mix"], saved["mqar_pairs"]) == ([2, 4, 8], 4)
+    assert _status(["train", "--preset", "mqar-tiny", "--mqar-pairs-mix", "4", "9",
+                    "--out", str(tmp_path / "bad")]) == 2
+    assert capsys.readouterr().err.endswith(
+        "nats: error: TrainConfig.mqar_pairs_mix = (4, 9) is invalid: must be pair counts in "
+        "1 .. seq_len // 4 = 8 (seq_len >= 4 * pairs)\n")
