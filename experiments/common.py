@@ -1,23 +1,33 @@
 """What the experiment scripts share: scales, the time budget, train-then-evaluate, tables.
 
 Not a package users import: ``python experiments/mqar.py --scale cpu`` and its siblings put
-this folder on ``sys.path`` themselves. Only torch, tqdm, safetensors and tensorboard are
-needed (no ray, optuna or ``datasets``).
+this folder on ``sys.path`` themselves (and spawned workers inherit that path). Only torch,
+tqdm, safetensors and tensorboard are needed (no ray, optuna or ``datasets``).
+
+The grid's models are so small that one training leaves a GPU mostly idle (each step is
+bound by kernel launches), so ``--jobs N`` trains N grid cells at once, each in its own
+process. Prefill is timed afterwards, one run at a time, so that no other run shares the
+device while it is measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import multiprocessing
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
-from nats.evaluation import LoadedModel, run_eval
+from nats.atomic_write import atomic_write_bytes
+from nats.evaluation import LoadedModel, load_for_eval, prefill_seconds, run_eval
 from nats.trainers import TrainConfig, resolve_device, train
 from nats.trainers.config import ARCHITECTURES, with_architecture
 
@@ -38,11 +48,20 @@ def parse_args(description: str, scales: dict[str, dict[str, Any]],
                    help="stop starting new runs after this long (default: the scale's)")
     p.add_argument("--archs", nargs="+", choices=ARCHITECTURES, default=list(ARCHITECTURES))
     p.add_argument("--out", type=Path, default=None, help="results folder")
+    p.add_argument("--jobs", type=_positive_int, default=1,
+                   help="grid cells trained at once, each in its own process (one run of "
+                        "these tiny models leaves a GPU mostly idle)")
     args = p.parse_args()
     scale = scales[args.scale]
     if args.max_minutes is None:
         args.max_minutes = scale["minutes"]
     return args, scale
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return int(text)
 
 
 @dataclass
@@ -61,62 +80,152 @@ class Budget:
 
 def train_and_eval(config: TrainConfig, arch: str, slices: Sequence[TrainConfig],
                    eval_batches: int, device: torch.device, out: Path,
-                   prefill: bool) -> dict[str, Any]:
-    """Train ``config`` with ``arch``'s mixers, then evaluate it on ``slices``."""
-    config = with_architecture(config, arch).replace(device=str(device))
-    started = time.monotonic()
-    result = train(config)
-    train_seconds = time.monotonic() - started
-    loaded = LoadedModel(result.model.eval(), config, f"run {config.out_dir}")
-    slices = [s.replace(model=config.model) for s in slices]
-    report = run_eval(loaded, slices, eval_batches, device, out=out,
-                      prefill_lens=[PREFILL_LEN] if prefill else [])
+                   console: Path | None = None) -> dict[str, Any]:
+    """Train ``config`` with ``arch``'s mixers, then evaluate it on ``slices`` and write the
+    report to ``out`` (no prefill: :func:`add_prefill` times it alone). With ``console``,
+    the run's terminal output goes to that file (progress bars of parallel runs would
+    overwrite each other)."""
+    with _console_to(console):
+        config = with_architecture(config, arch).replace(device=str(device))
+        started = time.monotonic()
+        result = train(config)
+        train_seconds = time.monotonic() - started
+        loaded = LoadedModel(result.model.eval(), config, f"run {config.out_dir}")
+        slices = [s.replace(model=config.model) for s in slices]
+        report = run_eval(loaded, slices, eval_batches, device, show_progress=console is None)
     report.update(arch=arch, lr=config.lr, seed=config.seed, steps=result.step,
                   train_seconds=train_seconds, final_train_loss=result.train_losses[-1])
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    _write_report(out, report)
     return report
+
+
+@contextlib.contextmanager
+def _console_to(path: Path | None) -> Iterator[None]:
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+        yield
+
+
+def _write_report(path: Path, report: dict[str, Any]) -> None:
+    atomic_write_bytes(path, (json.dumps(report, indent=2) + "\n").encode())
+
+
+def add_prefill(report: dict[str, Any], run_dir: Path, first_slice: TrainConfig,
+                device: torch.device) -> None:
+    """Time the batch-1 prefill of the run's final model (``run_dir/model``, safetensors)
+    on ``first_slice``'s data, as ``nats eval`` would, into ``report["prefill"]``."""
+    model = load_for_eval(run_dir, device).model
+    seconds = prefill_seconds(model, first_slice.replace(model=model.config), PREFILL_LEN,
+                              device)
+    report["prefill"] = [{"seq_len": PREFILL_LEN, "batch_size": 1, "seconds": seconds}]
+
+
+class _InProcess(Executor):
+    """``--jobs 1``: each run in this process when submitted, so the grid has one code path
+    and no process start-up cost."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as e:  # surfaces through future.result(), as from a worker
+            future.set_exception(e)
+        return future
+
+
+def _worker_setup(threads: int) -> None:
+    """N processes on the CPU must not each start one thread per core."""
+    torch.set_num_threads(threads)
+
+
+def _executor(jobs: int) -> Executor:
+    if jobs == 1:
+        return _InProcess()
+    return ProcessPoolExecutor(  # spawn: a forked process cannot use CUDA
+        jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_setup,
+        initargs=(max(1, torch.get_num_threads() // jobs),))
 
 
 def run_grid(name: str, args: argparse.Namespace, base: TrainConfig, lrs: Sequence[float],
              seeds: Sequence[int], slices: Sequence[TrainConfig], eval_batches: int,
              select: Callable[[dict[str, Any]], float]) -> list[dict[str, Any]]:
     """Every architecture x learning rate x seed, in that order of priority under the budget
-    (all architectures at the first seed before any second seed). A run whose JSON report
+    (all architectures at the first seed before any second seed), ``args.jobs`` at a time.
+    A run starts only while the budget lasts; runs in flight finish. A run whose JSON report
     is already in the folder is read back, not trained again, so the same command with more
-    ``--max-minutes`` finishes a grid the budget cut short. Returns the reports."""
+    ``--max-minutes`` finishes a grid the budget cut short. On CUDA, the prefill of every
+    report that lacks it is then timed alone. Returns the reports, in grid order."""
     device = resolve_device(args.device)
     out = args.out or Path("runs/experiments") / f"{name}-{args.scale}"
     out.mkdir(parents=True, exist_ok=True)
     budget = Budget(args.max_minutes)
-    reports, skipped, diverged = [], [], []
-    for seed in seeds:
-        for arch in args.archs:
-            for lr in lrs:
-                tag = f"{arch}-lr{lr:g}-seed{seed}"
-                done = out / f"{tag}.json"
-                if done.is_file():  # finished by an earlier call: a cut-short grid goes on
-                    report = json.loads(done.read_text())
-                elif not budget.left():
-                    skipped.append(tag)
-                    continue
-                else:
-                    run = base.replace(lr=lr, seed=seed, out_dir=str(out / "runs" / tag))
-                    try:
-                        report = train_and_eval(run, arch, slices, eval_batches, device, done,
-                                                prefill=device.type == "cuda")
-                    except ValueError as e:  # one diverging lr must not cost the whole table
-                        if not str(e).startswith("training diverged"):
-                            raise
-                        diverged.append(f"{tag} ({e})")
-                        continue
-                report["selection_score"] = select(report)
-                reports.append(report)
+    cells = [(f"{arch}-lr{lr:g}-seed{seed}", arch, lr, seed)
+             for seed in seeds for arch in args.archs for lr in lrs]
+    reports: dict[str, dict[str, Any]] = {}
+    skipped: list[str] = []
+    diverged: dict[str, str] = {}
+    running: dict[Future, str] = {}
+    with _executor(args.jobs) as pool, tqdm(total=len(cells), desc=name, unit="run") as bar:
+
+        def collect(finished: set[Future]) -> None:
+            for future in finished:
+                tag = running.pop(future)
+                bar.update(1)
+                try:
+                    reports[tag] = future.result()
+                except ValueError as e:  # one diverging lr must not cost the whole table
+                    if not str(e).startswith("training diverged"):
+                        raise _failed(name, tag, e, out, args.jobs) from e
+                    diverged[tag] = f"{tag} ({e})"
+                except Exception as e:
+                    raise _failed(name, tag, e, out, args.jobs) from e
+
+        for tag, arch, lr, seed in cells:
+            done = out / f"{tag}.json"
+            if done.is_file():  # finished by an earlier call: a cut-short grid goes on
+                reports[tag] = json.loads(done.read_text())
+                bar.update(1)
+                continue
+            while len(running) >= args.jobs:
+                collect(wait(running, return_when=FIRST_COMPLETED).done)
+            if not budget.left():
+                skipped.append(tag)
+                bar.update(1)
+                continue
+            run = base.replace(lr=lr, seed=seed, out_dir=str(out / "runs" / tag))
+            console = _console_log(out, tag) if args.jobs > 1 else None
+            running[pool.submit(train_and_eval, run, arch, slices, eval_batches, device, done,
+                                console)] = tag
+        collect(wait(running).done)
+    order = [tag for tag, *_ in cells]
+    ordered = [reports[tag] for tag in order if tag in reports]
+    if device.type == "cuda":
+        for tag in tqdm([t for t in order if t in reports and not reports[t].get("prefill")],
+                        desc="prefill", unit="run"):
+            add_prefill(reports[tag], out / "runs" / tag, slices[0], device)
+            _write_report(out / f"{tag}.json", reports[tag])
+    for report in ordered:
+        report["selection_score"] = select(report)
     summary = {"experiment": name, "scale": args.scale, "device": str(device),
-               "device_name": reports[0]["device_name"] if reports else None,
-               "minutes": (time.monotonic() - budget.start) / 60, "skipped": skipped,
-               "diverged": diverged, "runs": [_brief(r) for r in reports]}
+               "device_name": ordered[0]["device_name"] if ordered else None,
+               "jobs": args.jobs, "minutes": (time.monotonic() - budget.start) / 60,
+               "skipped": skipped, "diverged": [diverged[t] for t in order if t in diverged],
+               "runs": [_brief(r) for r in ordered]}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return reports
+    return ordered
+
+
+def _console_log(out: Path, tag: str) -> Path:
+    return out / "runs" / tag / "console.log"
+
+
+def _failed(name: str, tag: str, error: Exception, out: Path, jobs: int) -> RuntimeError:
+    """A run that failed other than by diverging stops the grid, naming the run."""
+    where = f"; its output is in {_console_log(out, tag)}" if jobs > 1 else ""
+    return RuntimeError(f"{name} run {tag} failed: {type(error).__name__}: {error}{where}")
 
 
 def _brief(report: dict[str, Any]) -> dict[str, Any]:
@@ -182,6 +291,10 @@ def write_table(out: Path, title: str, table: str, notes: Sequence[str]) -> None
         ran += f" Skipped for the time budget: {', '.join(summary['skipped'])}."
     if summary["diverged"]:
         ran += f" Diverged (no row): {'; '.join(summary['diverged'])}."
+    if summary.get("jobs", 1) > 1:
+        ran += (f" Up to {summary['jobs']} runs trained at once on the device: training "
+                "times and evaluation tokens/s were measured while they shared it (peak "
+                "memory is per process; prefill was timed alone, after all training).")
     text = "\n".join([f"## {title}", "", table, "", *notes, "", ran, ""])
     (out / "table.md").write_text(text)
     print(text)

@@ -1,0 +1,140 @@
+"""``experiments/common.run_grid --jobs N``: parallel runs give the sequential grid's numbers,
+divergence is recorded from any process, other failures name the run, finished runs are
+read back, and prefill is timed afterwards from the saved model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from nats import NatsConfig
+from nats.trainers import TrainConfig
+
+# The scripts' helper module, imported as they import it; spawned workers inherit the path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
+import common
+
+CUDA = torch.cuda.is_available()
+GOOD_LR, DIVERGING_LR = 1e-2, 1e8  # 1e8 gives a NaN loss within 3 steps for both archs
+ARCHS = ["transformer", "gdn"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Workers of ``--jobs 2`` on these 2 cores get 1 thread each; the in-process ``--jobs 1``
+    run gets the same, so both do the same float operations in the same order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _base(device: str = "cpu") -> TrainConfig:
+    model = NatsConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=2,
+                       softmax_heads_per_head=2, head_dim_k=16, head_dim_v=16, chunk_size=16,
+                       layer_types=("nats", "nats"), rope=True)
+    return TrainConfig(model=model, task="mqar", steps=10, batch_size=4, seq_len=32,
+                       mqar_pairs=4, warmup_steps=1, eval_interval=10, eval_batches=1,
+                       log_interval=5, checkpoint_interval=10, keep_checkpoints=1,
+                       device=device)
+
+
+def _grid(out: Path, jobs: int, archs: list[str] = ARCHS, lrs: tuple[float, ...] = (
+        GOOD_LR, DIVERGING_LR), device: str = "cpu") -> list[dict[str, Any]]:
+    base = _base(device)
+    slices = [base, base.replace(seq_len=64, mqar_pairs=8)]
+    args = argparse.Namespace(scale="test", device=device, max_minutes=10.0, archs=archs,
+                              out=out, jobs=jobs)
+    return common.run_grid("mqar", args, base, lrs, (0,), slices, eval_batches=1,
+                           select=lambda r: r["slices"][0]["accuracy"])
+
+
+def _json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def test_two_jobs_give_the_sequential_grid_and_resume(tmp_path: Path) -> None:
+    parallel, sequential = tmp_path / "parallel", tmp_path / "sequential"
+    reports = _grid(parallel, jobs=2)
+    _grid(sequential, jobs=1)
+
+    tags = [f"{arch}-lr{GOOD_LR:g}-seed0" for arch in ARCHS]
+    for out in (parallel, sequential):
+        assert sorted(p.stem for p in out.glob("*.json") if p.stem != "summary") == sorted(tags)
+    for tag in tags:
+        a, b = _json(parallel / f"{tag}.json"), _json(sequential / f"{tag}.json")
+        assert a["steps"] == b["steps"] == 10
+        assert a["final_train_loss"] == b["final_train_loss"]  # same seed, same thread count
+        for sa, sb in zip(a["slices"], b["slices"], strict=True):
+            for key in ("accuracy", "sequence_accuracy", "loss", "softmax_fraction"):
+                assert sa[key] == sb[key], (tag, sa["name"], key)
+        assert a["prefill"] == b["prefill"] == []  # timed only on CUDA
+    assert [(r["arch"], r["lr"]) for r in reports] == [(arch, GOOD_LR) for arch in ARCHS]
+
+    for out, jobs in ((parallel, 2), (sequential, 1)):
+        summary = _json(out / "summary.json")
+        assert summary["jobs"] == jobs
+        assert [(r["arch"], r["lr"], r["seed"]) for r in summary["runs"]] == \
+            [(arch, GOOD_LR, 0) for arch in ARCHS]
+        assert [d.split(" ")[0] for d in summary["diverged"]] == \
+            [f"{arch}-lr{DIVERGING_LR:g}-seed0" for arch in ARCHS]
+        assert all("training diverged" in d for d in summary["diverged"])
+        assert summary["skipped"] == []
+        common.write_table(out, "t", "table", [])
+        shared = "Up to 2 runs trained at once" in (out / "table.md").read_text()
+        assert shared == (jobs == 2)
+    assert "nats: training" in (parallel / "runs" / tags[0] / "console.log").read_text()
+
+    # Resume: a finished run is read back untouched, a deleted one is trained again.
+    kept, redone = (parallel / f"{tag}.json" for tag in tags)
+    kept_mtime, redone_report = kept.stat().st_mtime_ns, _json(redone)
+    redone.unlink()
+    shutil.rmtree(parallel / "runs" / tags[1])
+    again = _grid(parallel, jobs=2, lrs=(GOOD_LR,))
+    assert kept.stat().st_mtime_ns == kept_mtime
+    assert again[0] == {**_json(kept), "selection_score": again[0]["selection_score"]}
+    assert [(s["accuracy"], s["loss"]) for s in _json(redone)["slices"]] == \
+        [(s["accuracy"], s["loss"]) for s in redone_report["slices"]]
+
+
+def test_a_failing_worker_names_its_run(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match=r"mqar run mamba-lr0\.01-seed0 failed: .*mamba"):
+        _grid(tmp_path, jobs=2, archs=["mamba"], lrs=(GOOD_LR,))
+
+
+def test_prefill_is_timed_from_the_saved_model(tmp_path: Path) -> None:
+    _grid(tmp_path, jobs=1, archs=["gdn"], lrs=(GOOD_LR,))
+    report = _json(tmp_path / f"gdn-lr{GOOD_LR:g}-seed0.json")
+    common.add_prefill(report, tmp_path / "runs" / f"gdn-lr{GOOD_LR:g}-seed0", _base(),
+                       torch.device("cpu"))
+    (prefill,) = report["prefill"]
+    assert prefill["seq_len"] == common.PREFILL_LEN and prefill["batch_size"] == 1
+    assert prefill["seconds"] > 0
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "two"])
+def test_jobs_must_be_a_positive_integer(text: str, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(sys, "argv", ["mqar.py", "--jobs", text])
+    with pytest.raises(SystemExit) as exit_info:
+        common.parse_args("test", {"cpu": {"minutes": 1}})
+    assert exit_info.value.code == 2
+    assert f"--jobs: must be an integer >= 1, got '{text}'" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_parallel_gpu_grid_times_prefill_afterwards(tmp_path: Path) -> None:
+    _grid(tmp_path, jobs=2, lrs=(GOOD_LR,), device="cuda")
+    for arch in ARCHS:
+        (prefill,) = _json(tmp_path / f"{arch}-lr{GOOD_LR:g}-seed0.json")["prefill"]
+        assert prefill["seq_len"] == common.PREFILL_LEN and prefill["seconds"] > 0
+    assert all(r["prefill"] for r in _json(tmp_path / "summary.json")["runs"])
