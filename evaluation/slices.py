@@ -46,7 +46,8 @@ def slice_configs(base: TrainConfig, task: str, seq_lens: Sequence[int],
         if per_length:
             length["mqar_pairs"] = per_length[i]
         for values in itertools.product(*(knobs[n] for n in names)):
-            out.append(base.replace(task=task, grad_accum_steps=1,
+            # A slice is one fixed task: a training mixture of pair counts does not apply.
+            out.append(base.replace(task=task, grad_accum_steps=1, mqar_pairs_mix=(),
                                     batch_size=batch_size or base.batch_size,
                                     **length, **dict(zip(names, values, strict=True))))
     return out

@@ -156,3 +156,11 @@ def test_prefill_is_timed_by_the_latency_module_on_the_first_slice(monkeypatch) 
     with torch.no_grad():
         assert torch.equal(timed[0].logits, model(first[:40][None]).logits)
         assert torch.equal(timed[1].logits, model(first[:20][None]).logits)
+
+
+def test_slices_of_a_mixture_trained_run_are_fixed_tasks() -> None:
+    """A run trained on a mixture of pair counts is evaluated on one count per slice, even at
+    lengths too short for the mixture's largest count."""
+    config = _run_config(_model()).replace(seq_len=64, mqar_pairs_mix=(4, 8))
+    (s,) = slice_configs(config, "mqar", [16], pairs=[2])
+    assert (s.seq_len, s.mqar_pairs, s.mqar_pairs_mix) == (16, 2, ())
