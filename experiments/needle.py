@@ -35,7 +35,7 @@ from nats.trainers import TrainConfig
 VOCAB = 10 + 2 * 128
 SCALES = {
     "gpu": dict(d_model=128, layers=4, head_dim=64, chunk=64, train=1024, test=(1024, 4096),
-                steps=1500, batch=32, lrs=(1e-3,), seeds=(0,), eval_batches=4, minutes=55),
+                steps=1500, batch=32, lrs=(3e-3, 1e-2), seeds=(0,), eval_batches=4, minutes=55),
     "gpu-quick": dict(d_model=128, layers=2, head_dim=64, chunk=64, train=1024, test=(1024,),
                       steps=700, batch=16, lrs=(1e-2,), seeds=(0,), eval_batches=4,
                       minutes=1.5),
