@@ -203,8 +203,10 @@ def run_grid(name: str, args: argparse.Namespace, base: TrainConfig, lrs: Sequen
     order = [tag for tag, *_ in cells]
     ordered = [reports[tag] for tag in order if tag in reports]
     if device.type == "cuda":
-        for tag in tqdm([t for t in order if t in reports and not reports[t].get("prefill")],
-                        desc="prefill", unit="run"):
+        # A report read back without its run folder (copied off another machine) keeps no
+        # prefill: its table cell says n/a instead of the whole grid failing.
+        for tag in tqdm([t for t in order if t in reports and not reports[t].get("prefill")
+                         and (out / "runs" / tag).is_dir()], desc="prefill", unit="run"):
             add_prefill(reports[tag], out / "runs" / tag, slices[0], device)
             _write_report(out / f"{tag}.json", reports[tag])
     for report in ordered:
