@@ -270,7 +270,8 @@ def cost_cells(report: dict[str, Any], slice_index: int = 0) -> list[str]:
         cells.append(f"{cost[n]['flops_per_token'] / 1e6:.2f}")
         cells.append(f"{cost[n]['kv_cache_bytes'] / 2**20:.2f}")
     prefill = report.get("prefill") or []
-    cells.append(f"{1000 * prefill[0]['seconds']:.1f}" if prefill else "n/a (CPU)")
+    missing = "n/a (CPU)" if str(report.get("device", "cpu")).startswith("cpu") else "not timed"
+    cells.append(f"{1000 * prefill[0]['seconds']:.1f}" if prefill else missing)
     return cells
 
 
