@@ -35,10 +35,11 @@ class _Parser(argparse.ArgumentParser):
 
 def _train(args: argparse.Namespace) -> int:
     from nats.trainers import run_config, train
+    from nats.trainers.config import TUPLE_FIELDS
 
     overrides: dict[str, Any] = {name: getattr(args, name) for name in _OVERRIDES
                                  if getattr(args, name) is not None}
-    for name in ("data_paths", "mqar_pairs_mix"):
+    for name in TUPLE_FIELDS:
         if name in overrides:
             overrides[name] = tuple(overrides[name])
     config = run_config(args.preset, overrides, resume=args.resume, config_path=args.config)

@@ -18,6 +18,9 @@ from nats.config import ConfigError, NatsConfig, fail, reject_unknown_fields
 from .checkpoint import latest_checkpoint, read_checkpoint_meta
 from .synthetic import CopyTask, MQARTask, NeedleTask, SyntheticTask, TaskMixture
 
+TUPLE_FIELDS = ("data_paths", "mqar_pairs_mix")
+"""``TrainConfig`` fields that are tuples, which JSON and argparse hand over as lists."""
+
 TASKS = ("copy", "mqar", "needle", "text")
 """``copy``, ``mqar`` and ``needle`` are generated; ``text`` is a local corpus (default: the
 Python standard library's sources), byte-level unless ``tokenizer`` names one."""
@@ -230,8 +233,7 @@ class TrainConfig:
         """JSON-able form, the inverse of :meth:`from_dict`."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["model"] = self.model.to_dict()
-        out["data_paths"] = list(self.data_paths)
-        out["mqar_pairs_mix"] = list(self.mqar_pairs_mix)
+        out.update({name: list(getattr(self, name)) for name in TUPLE_FIELDS})
         return out
 
     @classmethod
@@ -242,9 +244,9 @@ class TrainConfig:
             _fail("model", None, "a NatsConfig dict")
         values = dict(data)
         values["model"] = NatsConfig.from_dict(values["model"])
-        values["data_paths"] = tuple(values.get("data_paths", ()))
-        if isinstance(values.get("mqar_pairs_mix"), list):  # JSON has no tuples
-            values["mqar_pairs_mix"] = tuple(values["mqar_pairs_mix"])
+        for name in TUPLE_FIELDS:
+            if isinstance(values.get(name), list):  # JSON has no tuples
+                values[name] = tuple(values[name])
         return cls(**values)
 
 
