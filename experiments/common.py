@@ -84,17 +84,27 @@ def train_and_eval(config: TrainConfig, arch: str, slices: Sequence[TrainConfig]
     """Train ``config`` with ``arch``'s mixers, then evaluate it on ``slices`` and write the
     report to ``out`` (no prefill: :func:`add_prefill` times it alone). With ``console``,
     the run's terminal output goes to that file (progress bars of parallel runs would
-    overwrite each other)."""
+    overwrite each other).
+
+    A run folder left by an interrupted call is resumed from its newest checkpoint (the
+    training time then counts this call's part only). A run interrupted now (Ctrl-C: the
+    trainer saves a checkpoint and returns) writes no report, so the next call resumes it
+    instead of reading back a half-trained model.
+    """
     with _console_to(console):
         config = with_architecture(config, arch).replace(device=str(device))
         started = time.monotonic()
-        result = train(config)
+        result = train(config, resume=True)
         train_seconds = time.monotonic() - started
+        if result.interrupted:
+            raise KeyboardInterrupt(f"{config.out_dir} interrupted at step {result.step}; the "
+                                    "same command resumes it")
         loaded = LoadedModel(result.model.eval(), config, f"run {config.out_dir}")
         slices = [s.replace(model=config.model) for s in slices]
         report = run_eval(loaded, slices, eval_batches, device, show_progress=console is None)
     report.update(arch=arch, lr=config.lr, seed=config.seed, steps=result.step,
-                  train_seconds=train_seconds, final_train_loss=result.train_losses[-1])
+                  train_seconds=train_seconds,
+                  final_train_loss=result.train_losses[-1] if result.train_losses else None)
     _write_report(out, report)
     return report
 

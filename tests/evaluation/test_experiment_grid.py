@@ -5,6 +5,7 @@ read back, and prefill is timed afterwards from the saved model."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -103,6 +104,29 @@ def test_two_jobs_give_the_sequential_grid_and_resume(tmp_path: Path) -> None:
     assert again[0] == {**_json(kept), "selection_score": again[0]["selection_score"]}
     assert [(s["accuracy"], s["loss"]) for s in _json(redone)["slices"]] == \
         [(s["accuracy"], s["loss"]) for s in redone_report["slices"]]
+
+
+def test_an_interrupted_run_writes_no_report_and_resumes(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C makes the trainer save a checkpoint and return early: that run must not be
+    read back as finished, and the next call continues it from the checkpoint."""
+    real_train = common.train
+
+    def cut_short(config: TrainConfig, **kwargs: Any):
+        result = real_train(config.replace(steps=5), **kwargs)
+        return dataclasses.replace(result, interrupted=True)
+
+    monkeypatch.setattr(common, "train", cut_short)
+    tag = f"transformer-lr{GOOD_LR:g}-seed0"
+    with pytest.raises(KeyboardInterrupt, match="interrupted at step 5"):
+        _grid(tmp_path, jobs=1, archs=["transformer"], lrs=(GOOD_LR,))
+    assert not (tmp_path / f"{tag}.json").exists()
+
+    monkeypatch.setattr(common, "train", real_train)
+    (report,) = _grid(tmp_path, jobs=1, archs=["transformer"], lrs=(GOOD_LR,))
+    assert report["steps"] == 10
+    assert report["final_train_loss"] is not None  # steps 6..10 ran in this call
+    assert _json(tmp_path / f"{tag}.json")["steps"] == 10
 
 
 def test_a_failing_worker_names_its_run(tmp_path: Path) -> None:
