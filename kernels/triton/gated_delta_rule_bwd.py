@@ -142,12 +142,14 @@ def _state_bwd_kernel(q, k, w, do, v_new, dv_local, gc, z, h, dh, dv, dz, dgs, d
             store_rows(dv, b_dv, o_t, m_t, i_h, H, V, o_v)
             if b_z > DZ_MIN:  # the route gradient only where it is asked for
                 b_vn = load_rows(v_new, o_t, m_t, i_h, H, V, o_v).to(tl.float32)
-                tl.atomic_add(dz + i_s * H + i_h, tl.sum(tl.sum(b_p * b_vn, 1), 0))
+                tl.atomic_add(dz + i_s * H + i_h, tl.sum(tl.sum(b_p * b_vn, 1), 0),
+                              sem="relaxed")
             if b_z < 1.0:
                 b_start = tl.load(h + (i_s * H + i_h).to(tl.int64) * K * V + p_hv, mask=m_hv,
                                   other=0).to(tl.float32)
                 tl.atomic_add(dgs + i_s * H + i_h,
-                              (1.0 - b_z) * tl.exp(g_last) * tl.sum(b_dh * b_start))
+                              (1.0 - b_z) * tl.exp(g_last) * tl.sum(b_dh * b_start),
+                              sem="relaxed")
             b_qd = (b_q * (tl.exp(b_gc) * scale)[:, None]).to(b_q.dtype)
             b_dh = b_dh * tl.exp(g_last) + tl.dot(tl.trans(b_qd), b_do, input_precision=PREC)
             if DELTA:
@@ -185,11 +187,12 @@ def _state_bwd_kernel(q, k, w, do, v_new, dv_local, gc, z, h, dh, dv, dz, dgs, d
                     b_w = load_rows(w, o_t, m_t, i_h, H, K, o_k)
                     b_dh -= tl.dot(tl.trans(b_w), b_dv.to(b_w.dtype), input_precision=PREC)
                 b_e *= tl.exp(g_last)
-            tl.atomic_add(dz + r * H + i_h, tl.sum(b_dz, 0))
+            tl.atomic_add(dz + r * H + i_h, tl.sum(b_dz, 0), sem="relaxed")
             if b_z < 1.0:
                 b_start = tl.load(h + (r * R * H + i_h).to(tl.int64) * K * V + p_hv, mask=m_hv,
                                   other=0).to(tl.float32)
-                tl.atomic_add(dgs + r * H + i_h, (1.0 - b_z) * tl.sum(b_e * b_start))
+                tl.atomic_add(dgs + r * H + i_h, (1.0 - b_z) * tl.sum(b_e * b_start),
+                              sem="relaxed")
                 b_dh += (1.0 - b_z) * b_e
     if STORE_DH0:
         tl.store(dh0 + i_nh * K * V + p_hv, b_dh, mask=m_hv)
@@ -257,7 +260,7 @@ def _dqkwg_kernel(q, k, v_new, do, dv, gc, h, dh, dq, dk, dw, dgc, scale,
     if K == BK:
         tl.store(dgc + o_t * H + i_h, b_dg, mask=m_t)
     else:
-        tl.atomic_add(dgc + o_t * H + i_h, b_dg, mask=m_t)
+        tl.atomic_add(dgc + o_t * H + i_h, b_dg, mask=m_t, sem="relaxed")
 
 
 @triton.autotune(configs=_configs((64,), (4,), stages=1), key=["K", "V", "BT"])

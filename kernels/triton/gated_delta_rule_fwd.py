@@ -96,22 +96,24 @@ def causal_decay(b_gc, o_i, GAP: tl.constexpr):
 
 
 @triton.jit
-def inv_unit_lower(b_l, o_c):
+def inv_unit_lower(b_l, o_c, INV: tl.constexpr):
     """``(I + L)^{-1}`` of a strictly lower 16 x 16 ``L``: ``(I - L)(I + L^2)(I + L^4)(I + L^8)``
     (``L^16 = 0``), six small float32 products instead of a 16-step substitution."""
     eye = (o_c[:, None] == o_c[None, :]).to(tl.float32)
     b_p = eye - b_l
-    b_l = tl.dot(b_l, b_l, input_precision="ieee")
-    b_p = tl.dot(b_p, eye + b_l, input_precision="ieee")
-    b_l = tl.dot(b_l, b_l, input_precision="ieee")
-    b_p = tl.dot(b_p, eye + b_l, input_precision="ieee")
-    b_l = tl.dot(b_l, b_l, input_precision="ieee")
-    return tl.dot(b_p, eye + b_l, input_precision="ieee")
+    b_l = mm(b_l, b_l, INV)
+    b_p = mm(b_p, eye + b_l, INV)
+    b_l = mm(b_l, b_l, INV)
+    b_p = mm(b_p, eye + b_l, INV)
+    b_l = mm(b_l, b_l, INV)
+    return mm(b_p, eye + b_l, INV)
 
 
 @triton.jit
-def mm(a, b):
-    return tl.dot(a, b, input_precision="ieee")
+def mm(a, b, INV: tl.constexpr):
+    """A float32 product of the blocked inverse, at the precision :func:`inverse_precision`
+    chose."""
+    return tl.dot(a, b, input_precision=INV)
 
 
 @triton.jit
@@ -151,7 +153,7 @@ def store_block(a, x, o_t, m_t, i_h, H, BT: tl.constexpr, J: tl.constexpr, o_c):
 @triton.jit
 def _wy_kernel(k, v, g, beta, gc, a, w, u, cu, chunk_offsets, chunk_seq,
                H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-               R: tl.constexpr, PREC: tl.constexpr):
+               R: tl.constexpr, PREC: tl.constexpr, INV: tl.constexpr):
     """gc, A and w, u of one slot. The slot's ``BT <= 64`` rows are four blocks of 16
     (blocks past ``BT`` are masked to zero); A is inverted block-wise: the diagonal blocks
     by :func:`inv_unit_lower`, then ``A_ij = -A_ii sum_{j<=m<i} L_im A_mj``."""
@@ -183,22 +185,27 @@ def _wy_kernel(k, v, g, beta, gc, a, w, u, cu, chunk_offsets, chunk_seq,
     k_1 = load_rows(k, t_1, m_1, i_h, H, K, o_k)
     k_2 = load_rows(k, t_2, m_2, i_h, H, K, o_k)
     k_3 = load_rows(k, t_3, m_3, i_h, H, K, o_k)
-    a_00 = inv_unit_lower(l_block(k_0, k_0, be_0, gc_0, gc_0, o_c, True, PREC), o_c)
-    a_11 = inv_unit_lower(l_block(k_1, k_1, be_1, gc_1, gc_1, o_c, True, PREC), o_c)
-    a_22 = inv_unit_lower(l_block(k_2, k_2, be_2, gc_2, gc_2, o_c, True, PREC), o_c)
-    a_33 = inv_unit_lower(l_block(k_3, k_3, be_3, gc_3, gc_3, o_c, True, PREC), o_c)
+    a_00 = inv_unit_lower(l_block(k_0, k_0, be_0, gc_0, gc_0, o_c, True, PREC), o_c,
+                          INV)
+    a_11 = inv_unit_lower(l_block(k_1, k_1, be_1, gc_1, gc_1, o_c, True, PREC), o_c,
+                          INV)
+    a_22 = inv_unit_lower(l_block(k_2, k_2, be_2, gc_2, gc_2, o_c, True, PREC), o_c,
+                          INV)
+    a_33 = inv_unit_lower(l_block(k_3, k_3, be_3, gc_3, gc_3, o_c, True, PREC), o_c,
+                          INV)
     l_10 = l_block(k_1, k_0, be_1, gc_1, gc_0, o_c, False, PREC)
     l_21 = l_block(k_2, k_1, be_2, gc_2, gc_1, o_c, False, PREC)
     l_32 = l_block(k_3, k_2, be_3, gc_3, gc_2, o_c, False, PREC)
-    a_10 = -mm(mm(a_11, l_10), a_00)
-    a_21 = -mm(mm(a_22, l_21), a_11)
-    a_32 = -mm(mm(a_33, l_32), a_22)
+    a_10 = -mm(mm(a_11, l_10, INV), a_00, INV)
+    a_21 = -mm(mm(a_22, l_21, INV), a_11, INV)
+    a_32 = -mm(mm(a_33, l_32, INV), a_22, INV)
     l_20 = l_block(k_2, k_0, be_2, gc_2, gc_0, o_c, False, PREC)
     l_31 = l_block(k_3, k_1, be_3, gc_3, gc_1, o_c, False, PREC)
-    a_20 = -mm(a_22, mm(l_20, a_00) + mm(l_21, a_10))
-    a_31 = -mm(a_33, mm(l_31, a_11) + mm(l_32, a_21))
+    a_20 = -mm(a_22, mm(l_20, a_00, INV) + mm(l_21, a_10, INV), INV)
+    a_31 = -mm(a_33, mm(l_31, a_11, INV) + mm(l_32, a_21, INV), INV)
     l_30 = l_block(k_3, k_0, be_3, gc_3, gc_0, o_c, False, PREC)
-    a_30 = -mm(a_33, mm(l_30, a_00) + mm(l_31, a_10) + mm(l_32, a_20))
+    a_30 = -mm(a_33, mm(l_30, a_00, INV) + mm(l_31, a_10, INV) + mm(l_32, a_20, INV),
+               INV)
     zero = tl.zeros([16, 16], dtype=tl.float32)
     store_block(a, a_00, t_0, m_0, i_h, H, BT, 0, o_c)
     store_block(a, zero, t_0, m_0, i_h, H, BT, 1, o_c)
@@ -387,6 +394,15 @@ def a_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if HALF_A else torch.float32
 
 
+TF32_INVERSE = True
+"""Form the blocked WY inverse of half-precision inputs with tf32 tensor-core products
+(float32 inputs always take exact ones)."""
+
+
+def inverse_precision(dtype: torch.dtype) -> str:
+    return "tf32" if TF32_INVERSE and dtype != torch.float32 else "ieee"
+
+
 def wy_fwd(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cmap,
            bt: int, r: int, saved: tuple[torch.Tensor, torch.Tensor] | None = None,
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -405,7 +421,7 @@ def wy_fwd(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
     gc = empty(1, total, heads, dtype=torch.float32, device=k.device)
     a = empty(1, total, heads, bt, dtype=a_dtype(k.dtype), device=k.device)
     _wy_kernel[grid](k, v, g, beta, gc, a, w, u, cmap.cu_seqlens, cmap.chunk_offsets,
-                     cmap.chunk_seq, **meta)
+                     cmap.chunk_seq, INV=inverse_precision(k.dtype), **meta)
     return gc, a, w, u
 
 

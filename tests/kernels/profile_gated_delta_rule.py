@@ -124,15 +124,25 @@ def cfg(nw: int, ns: int = 2, **meta: int) -> triton.Config:
 
 
 VARIANTS = {  # step -> list of (label, config, module overrides); the defaults are first
+    "wy_fwd": [(f"{'tf32' if tf32 else 'ieee'} inverse w{nw}", cfg(nw), {"TF32_INVERSE": tf32})
+               for tf32 in (Fw.TF32_INVERSE, not Fw.TF32_INVERSE) for nw in (2, 4)],
     "state_fwd": [(f"BV{bv} w{nw} s{ns}", cfg(nw, ns, BV=bv), {})
                   for bv, nw, ns in ((32, 4, 3), (32, 4, 2))],
-    "state_bwd": [(f"BV{bv} w{nw} s{ns}", cfg(nw, ns, BV=bv), {})
-                  for bv, nw, ns in ((32, 4, 2), (16, 4, 2))],
+    "state_bwd": [(f"BV{bv} w{nw} s{ns}{' fused M^T do' if fuse else ''}", cfg(nw, ns, BV=bv),
+                   {"FUSE_DV_LOCAL": fuse})
+                  for bv, nw, ns, fuse in ((32, 4, 2, B.FUSE_DV_LOCAL), (16, 4, 2, B.FUSE_DV_LOCAL),
+                                           (32, 4, 3, B.FUSE_DV_LOCAL),
+                                           (32, 4, 2, not B.FUSE_DV_LOCAL))],
     "dqkwg": [(f"BK{bk} BV{bv} w{nw} s{ns}", cfg(nw, ns, BV=bv), {"DQKWG_BLOCK_K": bk})
               for bk, bv, nw, ns in ((64, 64, 4, 1), (64, 32, 4, 1), (128, 64, 4, 1))],
     "wy_bwd": [(f"BK{bk} BV{bv} w{nw} s{ns}", cfg(nw, ns, BV=bv), {"WY_BWD_BLOCK_K": bk})
                for bk, bv, nw, ns in ((64, 64, 4, 1), (64, 32, 4, 1), (128, 64, 4, 1))],
 }
+
+
+def owner(setting: str):
+    """The kernel module that holds a module-level ``setting``."""
+    return B if hasattr(B, setting) else Fw
 
 
 def repeat_diffs(p: Pass, name: str, runs: int = 3) -> list[float]:
@@ -192,6 +202,36 @@ def end_to_end(seq_len: int) -> tuple[float, float]:
     return ms(fwd), ms(lambda: torch.autograd.grad(fwd(), leaves, do))
 
 
+def fla_kernels(seq_len: int) -> dict | None:
+    """fla's ``chunk_gated_delta_rule`` on the same inputs (no routes): end to end and per
+    CUDA kernel (torch.profiler, per call). Its guard against Triton < 3.7.1 on Hopper is
+    lifted so that its backward can be timed; those gradients are not used."""
+    try:
+        import fla.ops.common.chunk_o as chunk_o
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+    q, k, v, g, beta, _, do = inputs(seq_len)
+    leaves = [t.requires_grad_() for t in (q, k, v, g, beta)]
+
+    def fwd() -> torch.Tensor:
+        return chunk_gated_delta_rule(*leaves)[0]
+
+    def fwd_bwd() -> None:
+        torch.autograd.grad(fwd(), leaves, do)
+
+    report = {"fwd_ms": ms(fwd), "fwd_bwd_ms": ms(fwd_bwd)}
+    calls = 10
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fwd_bwd()
+        torch.cuda.synchronize()
+    report["kernels_ms"] = {e.key: e.device_time_total / 1e3 / calls for e in prof.key_averages()
+                            if e.device_time_total > 0}
+    return report
+
+
 def main() -> None:
     out = sys.argv[1] if len(sys.argv) > 1 else None
     report: dict = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
@@ -214,9 +254,9 @@ def main() -> None:
             tuner = KERNELS[name]
             want = flat(base[name])
             for label, config, mod in variants:
-                saved_mod = {k2: getattr(B, k2) for k2 in mod}
+                saved_mod = {k2: getattr(owner(k2), k2) for k2 in mod}
                 for k2, v2 in mod.items():
-                    setattr(B, k2, v2)
+                    setattr(owner(k2), k2, v2)
                 old = pin(tuner, config)
                 try:
                     got = flat(getattr(p, name)())
@@ -236,7 +276,7 @@ def main() -> None:
                     tuner.configs = old
                     tuner.cache = {}
                     for k2, v2 in saved_mod.items():
-                        setattr(B, k2, v2)
+                        setattr(owner(k2), k2, v2)
                 report[str(seq_len)] = {"default_ms": times, "autotuned": picked,
                                         "variants": rows, "repeat_max_abs_diff": repeats}
                 dump(report, out)
@@ -245,6 +285,11 @@ def main() -> None:
         f, fb = end_to_end(seq_len)
         report[str(seq_len)]["e2e"] = {"fwd_ms": f, "fwd_bwd_ms": fb}
         print(f"T={seq_len} end to end: fwd {f:.3f} ms, fwd+bwd {fb:.3f} ms", flush=True)
+        if DEVICE == "cuda" and (fla := fla_kernels(seq_len)) is not None:
+            report[str(seq_len)]["fla"] = fla
+            print(f"T={seq_len} fla: fwd {fla['fwd_ms']:.3f} ms, fwd+bwd {fla['fwd_bwd_ms']:.3f} "
+                  "ms; per kernel: " + ", ".join(f"{k[:40]} {v:.3f}" for k, v in sorted(
+                      fla["kernels_ms"].items(), key=lambda kv: -kv[1])), flush=True)
         dump(report, out)
 
 
