@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from .ops import hybrid_gated_delta_rule, hybrid_softmax_attention
 from .reference.chunks import SOFTMAX
+from .streams import concurrently
 
 
 @dataclass(frozen=True)
@@ -111,9 +112,10 @@ def bench_seq_len(shape: BenchShape, seq_len: int, device: torch.device,
             return hybrid_softmax_attention(*sm, routes, c, backend="triton")
 
         parts = {"softmax": _timings(lambda s=softmax: (s(),), leaves),
-                 "linear": _timings(lambda li=linear: (li(),), leaves)}
+                 "linear": _timings(lambda li=linear: (li(),), leaves),
+                 "sequential": _timings(lambda s=softmax, li=linear: (s(), li()), leaves)}
         yield BenchRow(seq_len, fraction, "nats_mixed", *_timings(
-            lambda s=softmax, li=linear: (s(), li()), leaves),
+            lambda s=softmax, li=linear: concurrently(s, li, device), leaves),
             extra={f"{name}_{kind}_ms": t for name, (f, b) in parts.items()
                    for kind, t in (("fwd", f), ("fwd_bwd", b))})
         flex = _flex_softmax(sm, routes, shape)

@@ -19,6 +19,7 @@ from nats.cache import NatsLayerCache
 from nats.config import NatsConfig
 from nats.kernels import SOFTMAX, hybrid_softmax_attention
 from nats.kernels.decode import hybrid_attention_decode
+from nats.kernels.streams import concurrently
 
 from .linear_ops import LinearOperator, TokenGates
 from .norms import RMSNorm, rms_norm, upcast
@@ -118,12 +119,14 @@ class NatsAttention(nn.Module):
         qs, ks, vs = self._softmax_heads(q, k, v, 0)
         ql, kl, vl = self.linear.features(q, k, v)
         gates = self.gates(x)
-        o_sm = hybrid_softmax_attention(qs, ks, vs, routes, c, backend=cfg.backend)
+        linear = self.linear.parallel if cache_conv is None else self._prefill_linear
+        o_sm, linear_out = concurrently(
+            lambda: hybrid_softmax_attention(qs, ks, vs, routes, c, backend=cfg.backend),
+            lambda: linear(ql, kl, vl, gates, routes), x.device)
         if cache_conv is None:
-            o_la, _ = self.linear.parallel(ql, kl, vl, gates, routes)
-            cache = None
+            o_la, cache = linear_out[0], None
         else:
-            o_la, state, snapshot = self._prefill_linear(ql, kl, vl, gates, routes)
+            o_la, state, snapshot = linear_out
             done = seq_len // c * c  # tokens in finished chunks
             store_k, store_v, store_chunks = self._pack_store(ks, vs, routes, done // c)
             cache = NatsLayerCache(
