@@ -13,10 +13,10 @@ the routing-chunk end the carried state is ``z * running + (1 - z) * shadow``. T
 backward mirrors this (:mod:`.gated_delta_rule_bwd`). Dense batches run as packed ones
 (``B`` sequences of ``T``), so one code path serves ``cu_seqlens`` too, with no host sync.
 
-Memory: the forward saves only its inputs, the within-chunk cumulative gate (float32) and
-the inverted ``BT x BT`` WY matrices (in the inputs' dtype, see ``HALF_A``). The backward
-recomputes ``w, u``, the kernel-chunk start states ``h`` and ``v_new`` with the forward
-kernels, rather than storing ``[chunks, H, Dk, Dv]`` states across the step.
+Memory: the forward saves its inputs, the within-chunk cumulative gate (float32), the
+inverted ``BT x BT`` WY matrices (in the inputs' dtype, see ``HALF_A``) and, with
+:data:`SAVE_STATES`, ``w``, the kernel-chunk start states ``h`` and ``v_new`` it computed
+anyway (inputs' dtype); without it the backward recomputes them with the forward kernels.
 """
 
 from __future__ import annotations
@@ -30,6 +30,14 @@ from .utils import ChunkMap, packed, routed_batch
 
 KERNEL_CHUNK = 64
 """Largest kernel chunk: longer routing chunks are walked in pieces of this many tokens."""
+
+SAVE_STATES = True
+"""Keep ``w``, ``h`` and ``v_new`` from the forward for the backward (this module and
+:mod:`.gated_linear_attention`, which keeps ``h``). They cost ``(2 Dk + Dv + 2 Dk Dv / BT)``
+values per token and head, four times ``q`` at ``Dk = Dv = 128``, ``BT = 64``; recomputing
+them costs the backward two launches (``w, u`` and the serial state kernel), about 1.3 ms
+of 8 at ``B*T = 65,536``, 16 heads of 128 on an H100 (docs/BENCHMARKS.md). Set it False
+to trade that time for the memory, as fla does."""
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HEAD_DIMS = (16, 32, 64, 128)
@@ -48,17 +56,21 @@ class _HybridGatedDeltaRule(torch.autograd.Function):
         gc, a, w, u = wy_fwd(k, v, g, beta, cmap, bt, r)
         h, v_new, ht = state_fwd(k, w, u, gc, z, h0, output_final_state, cmap, bt, r)
         o = output_fwd(q, k, v_new, gc, h, scale, v.dtype, cmap, bt, r)
-        ctx.save_for_backward(q, k, v, g, beta, z, h0, gc, a)
+        ctx.save_for_backward(q, k, v, g, beta, z, h0, gc, a,
+                              *((w, h, v_new) if SAVE_STATES else ()))
         ctx.cmap, ctx.bt, ctx.r, ctx.scale, ctx.all_dz = cmap, bt, r, scale, all_dz
         return o, ht
 
     @staticmethod
     def backward(ctx, do: torch.Tensor, dht: torch.Tensor | None):
-        q, k, v, g, beta, z, h0, gc, a = ctx.saved_tensors
+        q, k, v, g, beta, z, h0, gc, a, *states = ctx.saved_tensors
         cmap, bt, r, scale = ctx.cmap, ctx.bt, ctx.r, ctx.scale
         do = do.contiguous()
-        _, _, w, u = wy_fwd(k, v, g, beta, cmap, bt, r, saved=(gc, a))
-        h, v_new, _ = state_fwd(k, w, u, gc, z, h0, False, cmap, bt, r)
+        if states:
+            w, h, v_new = states
+        else:
+            _, _, w, u = wy_fwd(k, v, g, beta, cmap, bt, r, saved=(gc, a))
+            h, v_new, _ = state_fwd(k, w, u, gc, z, h0, False, cmap, bt, r)
         dh, dv_new, dz, dgs, dh0 = state_bwd(
             q, k, w, do, v_new, gc, z, h, None if dht is None else dht.contiguous(),
             h0 is not None and ctx.needs_input_grad[6], ctx.all_dz, scale, cmap, bt, r)

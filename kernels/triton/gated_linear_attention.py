@@ -16,11 +16,13 @@ the routing-chunk-start state, packed sequences with no host sync.
   kernel (slot start states ``h``, ``h' = exp(gL) h + (k exp(gL - gc))^T v``, the route
   blend at each routing-chunk end); the parallel output kernel
   ``o = scale (exp(gc) q h + causal(q k^T exp(gc_i - gc_j)) v)``.
-* backward: ``h`` recomputed; the reverse state kernel (``dh``, ``dv``, the route
+* backward: ``h`` saved (or recomputed, :data:`.gated_delta_rule.SAVE_STATES`); the reverse
+  state kernel (``dh``, ``dv``, the route
   gradient, the shadow's gate gradient, ``dh0``); ``dq, dk`` and the per-token gate
   gradient in one parallel kernel; :func:`gate_grad` sums it back to ``dg``.
 
-Only the inputs and the float32 cumulative gate are saved between forward and backward.
+Between forward and backward the inputs, the float32 cumulative gate and (with
+``SAVE_STATES``) the slot start states are saved.
 ``V`` may be any width (linear attention runs it at ``Dv + 1``).
 """
 
@@ -31,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ..reference.chunks import ROUTE_GRADS, RouteGrad
+from . import gated_delta_rule
 from .gated_delta_rule import DTYPES, HEAD_DIMS, KERNEL_CHUNK
 from .gated_delta_rule_bwd import dqkwg, state_bwd
 from .gated_delta_rule_fwd import output_fwd, slot_bounds, state_fwd
@@ -100,16 +103,17 @@ class _HybridGatedLinearAttention(torch.autograd.Function):
         gc = gate_cumsum(g, cmap, bt, r)
         h, _, ht = state_fwd(k, None, v, gc, z, h0, output_final_state, cmap, bt, r)
         o = output_fwd(q, k, v, gc, h, scale, v.dtype, cmap, bt, r)
-        ctx.save_for_backward(q, k, v, g, z, h0, gc)
+        ctx.save_for_backward(q, k, v, g, z, h0, gc,
+                              *((h,) if gated_delta_rule.SAVE_STATES else ()))
         ctx.cmap, ctx.bt, ctx.r, ctx.scale, ctx.all_dz = cmap, bt, r, scale, all_dz
         return o, ht
 
     @staticmethod
     def backward(ctx, do: torch.Tensor, dht: torch.Tensor | None):
-        q, k, v, g, z, h0, gc = ctx.saved_tensors
+        q, k, v, g, z, h0, gc, *states = ctx.saved_tensors
         cmap, bt, r, scale = ctx.cmap, ctx.bt, ctx.r, ctx.scale
         do = do.contiguous()
-        h, _, _ = state_fwd(k, None, v, gc, z, h0, False, cmap, bt, r)
+        h = states[0] if states else state_fwd(k, None, v, gc, z, h0, False, cmap, bt, r)[0]
         dh, dv, dz, dgs, dh0 = state_bwd(
             q, k, None, do, v, gc, z, h, None if dht is None else dht.contiguous(),
             h0 is not None and ctx.needs_input_grad[5], ctx.all_dz, scale, cmap, bt, r)
