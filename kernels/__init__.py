@@ -1,7 +1,8 @@
 """Hybrid softmax / linear attention operators of NAtS-L.
 
-The public operators take a ``backend`` (``"auto"``, ``"reference"``, ``"triton"``).
-The plain baselines and the token-by-token oracles come from :mod:`.reference`.
+The public operators take a ``backend`` (``"auto"``, ``"reference"``, ``"triton"``), and
+so do the one-token decode operators of :mod:`.decode`. The plain baselines and the
+token-by-token oracles come from :mod:`.reference`.
 """
 
 from .ops import (

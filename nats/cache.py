@@ -3,41 +3,62 @@
 A NAtS-L layer keeps, per routing head, the keys and values of its softmax chunks only,
 the float32 linear state, a snapshot of that state at the current chunk's start, and
 the unfinished chunk. KV memory therefore follows the softmax fraction.
+
+Every buffer a decode step touches has a fixed shape and is updated in place, and the
+step finds where to write from a device copy of the position: a step is the same
+sequence of launches every time, which a CUDA graph can replay. Only the host-side
+bookkeeping between steps (closing a chunk, growing a full buffer) may replace buffers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 
 
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class _Buffers:
+    def buffers(self) -> list[torch.Tensor]:
+        """Every tensor the cache holds (a captured decode step is bound to these)."""
+        return [v for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)]
+
+
 @dataclass
-class SoftmaxLayerCache:
+class SoftmaxLayerCache(_Buffers):
     """Plain causal attention: every key and value in ``[B, Hq, capacity, D]`` buffers, of
-    which the first ``length`` positions are real (capacity doubles, so steps never copy),
-    and the short convolution's window."""
+    which the first ``length`` positions are real (the capacity doubles when full), and
+    the short convolution's window ``[B, K-1, channels]``."""
 
     k: torch.Tensor
     v: torch.Tensor
     length: int
     conv: torch.Tensor
 
+    @classmethod
+    def from_prompt(cls, k: torch.Tensor, v: torch.Tensor, conv: torch.Tensor,
+                    ) -> SoftmaxLayerCache:
+        """The cache after a prompt's keys and values ``[B, Hq, T, D]``, with room to grow."""
+        room = (0, 0, 0, max(64, k.shape[2] // 4))
+        return cls(k=F.pad(k, room), v=F.pad(v, room), length=k.shape[2], conv=conv)
+
     def kv_bytes(self) -> int:
         return _nbytes(self.k[:, :, : self.length], self.v[:, :, : self.length])
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Add one token's keys and values ``[B, Hq, D]``."""
+    def advance(self) -> None:
+        """A token was written at ``length``; make room for the next one."""
+        self.length += 1
         if self.length == self.k.shape[2]:
             grow = (0, 0, 0, self.length)
             self.k, self.v = F.pad(self.k, grow), F.pad(self.v, grow)
-        self.k[:, :, self.length], self.v[:, :, self.length] = k, v
-        self.length += 1
 
 
 @dataclass
-class LinearLayerCache:
+class LinearLayerCache(_Buffers):
     """Plain linear layer: the conv window and the float32 state ``[B, H, Dk, Dv]``
     (``Dv + 1`` for linear attention, whose last column is the normaliser)."""
 
@@ -49,15 +70,16 @@ class LinearLayerCache:
 
 
 @dataclass
-class NatsLayerCache:
+class NatsLayerCache(_Buffers):
     """NAtS-L layer.
 
     ``store_k/v`` ``[B, H, r, M, C, D]`` hold per routing head its softmax chunks in
     order (the first ``store_chunks[b, h]`` chunks are real); ``chunk_k/v``
-    ``[B, H*r, n, D]`` the unfinished chunk; ``pool_sum`` ``[B, D_model]`` the scorer's
-    running sum over it and ``chunk_log_decay`` ``[B, H]`` its summed log decay (zeros
-    for operators without a decay gate). ``state`` and ``snapshot`` are the linear
-    operator's (``Dv + 1`` columns for linear attention: the normaliser restores with it).
+    ``[B, H*r, C, D]`` the unfinished chunk, of which the first ``open_len`` tokens are
+    real; ``pool_sum`` ``[B, D_model]`` the scorer's running sum over it and
+    ``chunk_log_decay`` ``[B, H]`` its summed log decay (zeros for operators without a
+    decay gate). ``state`` and ``snapshot`` are the linear operator's, two buffers
+    (``Dv + 1`` columns for linear attention: the normaliser restores with it).
     """
 
     conv: torch.Tensor
@@ -66,6 +88,7 @@ class NatsLayerCache:
     chunk_log_decay: torch.Tensor
     chunk_k: torch.Tensor
     chunk_v: torch.Tensor
+    open_len: int
     pool_sum: torch.Tensor
     store_k: torch.Tensor
     store_v: torch.Tensor
@@ -74,10 +97,10 @@ class NatsLayerCache:
     def kv_bytes(self) -> int:
         """Bytes of keys and values that are really held (real slots and own chunk)."""
         r, _, chunk = self.store_k.shape[2:5]
-        per_token = r * (self.store_k.shape[5] + self.store_v.shape[5])
-        real_tokens = int(self.store_chunks.sum()) * chunk
-        return real_tokens * per_token * self.store_k.element_size() + _nbytes(self.chunk_k,
-                                                                               self.chunk_v)
+        per_head = (self.store_k.shape[5] + self.store_v.shape[5]) * self.store_k.element_size()
+        stored = int(self.store_chunks.sum()) * r * chunk  # (head, token) pairs
+        open_chunk = self.chunk_k.shape[0] * self.chunk_k.shape[1] * self.open_len
+        return (stored + open_chunk) * per_head
 
     def append_chunk(self, is_softmax: torch.Tensor) -> None:
         """File the finished chunk: keys and values of softmax heads ``[B, H]`` go to the
@@ -90,8 +113,8 @@ class NatsLayerCache:
             src = new.reshape(batch, heads, r, 1, chunk, new.shape[-1])
             index = self.store_chunks.view(batch, heads, 1, 1, 1, 1).expand_as(src)
             store.scatter_(3, index, src)
-        self.store_chunks = self.store_chunks + is_softmax.long()
-        self.chunk_k, self.chunk_v = self.chunk_k[:, :, :0], self.chunk_v[:, :, :0]
+        self.store_chunks += is_softmax.long()  # in place: captured decode steps read it
+        self.open_len = 0
 
 
 LayerCache = SoftmaxLayerCache | LinearLayerCache | NatsLayerCache
@@ -99,14 +122,15 @@ LayerCache = SoftmaxLayerCache | LinearLayerCache | NatsLayerCache
 
 @dataclass
 class HybridCache:
-    """The whole model's cache: one entry per layer, and the number of tokens seen."""
+    """The whole model's cache: one entry per layer, and the number of tokens seen, on the
+    host (``position``) and as a device scalar (``position_t``) that decode steps read."""
 
     layers: list[LayerCache]
     position: int
+    position_t: torch.Tensor
 
     def kv_bytes(self) -> int:
         return sum(layer.kv_bytes() for layer in self.layers)
 
-
-def _nbytes(*tensors: torch.Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    def buffers(self) -> list[torch.Tensor]:
+        return [self.position_t, *(t for layer in self.layers for t in layer.buffers())]

@@ -110,7 +110,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _bench_decode(args: argparse.Namespace) -> int:
     from nats.decode_benchmark import run_decode_benchmark
 
-    run_decode_benchmark(args.context, tuple(args.fractions), args.steps, args.out)
+    run_decode_benchmark(tuple(args.context), tuple(args.fractions), args.steps, args.out)
     return 0
 
 
@@ -320,9 +320,11 @@ def build_parser() -> argparse.ArgumentParser:
     kernels.set_defaults(func=_bench)
     decode = bench_sub.add_parser(
         "decode", help="ms per token against a long hybrid cache vs a full KV cache (GPU)")
-    decode.add_argument("--context", type=int, default=8192, help="prefilled tokens")
+    decode.add_argument("--context", type=int, nargs="+", default=[8192, 32768],
+                        help="prefilled tokens (one run per length)")
     decode.add_argument("--fractions", type=float, nargs="+", default=[0.125, 0.25, 1.0])
-    decode.add_argument("--steps", type=int, default=64, help="timed decode steps")
+    decode.add_argument("--steps", type=int, default=200,
+                        help="timed decode steps (several chunk ends)")
     decode.add_argument("--out", type=Path, default=Path("bench/decode.json"))
     decode.set_defaults(func=_bench_decode)
     _add_bench_attention(bench_sub)

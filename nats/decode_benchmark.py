@@ -1,9 +1,11 @@
 """`nats bench decode`: milliseconds per generated token against a long hybrid cache.
 
 One layer at the kernel benchmark's width, prefilled with ``context`` tokens, then timed
-for ``steps`` single-token decode steps with CUDA events. A plain softmax layer with a
-full KV cache is measured beside NAtS-L layers forced to several softmax fractions, so
-both the time and the cache size can be compared in one run.
+for ``steps`` single-token decode steps with CUDA events, both launched eagerly from
+Python and replayed from a CUDA graph (:class:`nats.cuda_graph.GraphedDecoder`, what
+``generate`` uses on a GPU). A plain softmax layer with a full KV cache is measured
+beside NAtS-L layers forced to several softmax fractions, so both the time and the cache
+size can be compared in one run.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from pathlib import Path
 
 import torch
 
+from .atomic_write import atomic_write_bytes
 from .config import NatsConfig
+from .cuda_graph import GraphedDecoder
 from .model import NatsForCausalLM
 
 
@@ -26,40 +30,62 @@ def decode_config(**changes) -> NatsConfig:
 
 
 def time_decode(model: NatsForCausalLM, context: int, steps: int, device: torch.device,
-                ) -> tuple[float, int]:
-    """Mean milliseconds per decode step after warm-up, and the cache's KV bytes."""
+                graphed: bool) -> tuple[float, int]:
+    """Mean milliseconds per decode step after warm-up, and the cache's KV bytes.
+
+    The steps cross chunk ends (``steps`` > the chunk size), so closing chunks and any
+    graph capture they cause are part of the mean.
+    """
     ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
     _, cache = model.prefill(ids)
     token = ids[:, -1]
+    if graphed:
+        step = GraphedDecoder(model, cache)
+    else:
+        def step(t: torch.Tensor) -> torch.Tensor:
+            return model.decode_step(t, cache)
     for _ in range(5):
-        model.decode_step(token, cache)
+        step(token)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(steps):
-        model.decode_step(token, cache)
+        step(token)
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / steps, cache.kv_bytes()
 
 
-def run_decode_benchmark(context: int, fractions: tuple[float, ...], steps: int,
+def run_decode_benchmark(contexts: tuple[int, ...], fractions: tuple[float, ...], steps: int,
                          out_json: Path | None) -> list[dict]:
     if not torch.cuda.is_available():
         raise ValueError("nats bench decode needs a CUDA GPU")
     device = torch.device("cuda")
     cases = [("softmax", None)] + [("nats", f) for f in fractions]
     rows = []
-    for kind, fraction in cases:
-        torch.manual_seed(0)
-        model = NatsForCausalLM(decode_config(layer_types=(kind,))).to(device, torch.bfloat16)
-        model.eval().set_route_override(fraction)
-        ms, kv = time_decode(model, context, steps, device)
-        rows.append({"layer": kind, "softmax_fraction": 1.0 if fraction is None else fraction,
-                     "context": context, "ms_per_token": ms, "kv_bytes": kv})
-        print(f"{kind:>8} frac {rows[-1]['softmax_fraction']:5.3f}: {ms:7.3f} ms/token, "
-              f"KV cache {kv / 2**20:8.1f} MiB")
-    if out_json is not None:
-        out_json.parent.mkdir(parents=True, exist_ok=True)
-        out_json.write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                        "rows": rows}, indent=2) + "\n")
+    for context in contexts:
+        for kind, fraction in cases:
+            torch.manual_seed(0)
+            model = NatsForCausalLM(decode_config(layer_types=(kind,))).to(device,
+                                                                            torch.bfloat16)
+            model.eval().set_route_override(fraction)
+            row = {"layer": kind, "softmax_fraction": 1.0 if fraction is None else fraction,
+                   "context": context}
+            try:
+                eager, kv = time_decode(model, context, steps, device, graphed=False)
+                graph, _ = time_decode(model, context, steps, device, graphed=True)
+            except torch.cuda.OutOfMemoryError:  # a finding at this length, not a failure
+                rows.append({**row, "oom": True})
+                print(f"{context:>8} {kind:>8}: out of memory", flush=True)
+            else:
+                rows.append({**row, "ms_per_token": graph, "eager_ms_per_token": eager,
+                             "kv_bytes": kv})
+                print(f"{context:>8} {kind:>8} frac {row['softmax_fraction']:5.3f}: "
+                      f"{graph:7.3f} ms/token graphed, {eager:7.3f} eager, "
+                      f"KV cache {kv / 2**20:8.1f} MiB", flush=True)
+            if out_json is not None:  # after every row: a run cut short keeps what it measured
+                atomic_write_bytes(out_json, (json.dumps(
+                    {"device": torch.cuda.get_device_name(), "rows": rows}, indent=2)
+                    + "\n").encode())
+            del model
+            torch.cuda.empty_cache()
     return rows

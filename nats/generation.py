@@ -27,11 +27,13 @@ def pick_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: 
 def generate(model: NatsForCausalLM, input_ids: torch.Tensor, max_new_tokens: int,
              do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
              generator: torch.Generator | None = None,
-             eos_token_id: int | None = None) -> torch.Tensor:
+             eos_token_id: int | None = None, cuda_graph: bool | None = None) -> torch.Tensor:
     """Prefill the prompt once, then decode token by token against the cache.
 
     Returns ``[B, T + n]``; generation stops early once every row has produced
     ``eos_token_id``. Routing is deterministic (argmax) unless the model is training.
+    ``cuda_graph`` replays the decode steps from a CUDA graph
+    (:class:`nats.cuda_graph.GraphedDecoder`); by default it does on a GPU.
     """
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be a non-empty [B, T] tensor, got "
@@ -41,7 +43,16 @@ def generate(model: NatsForCausalLM, input_ids: torch.Tensor, max_new_tokens: in
     tokens = [input_ids]
     if max_new_tokens == 0:
         return input_ids
+    if cuda_graph is None:
+        cuda_graph = input_ids.is_cuda
     logits, cache = model.prefill(input_ids)
+    if cuda_graph:
+        from .cuda_graph import GraphedDecoder
+
+        step = GraphedDecoder(model, cache)
+    else:
+        def step(token: torch.Tensor) -> torch.Tensor:
+            return model.decode_step(token, cache)
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     next_token = pick_next(logits[:, -1], do_sample, temperature, top_k, generator)
     for i in range(max_new_tokens):
@@ -49,8 +60,7 @@ def generate(model: NatsForCausalLM, input_ids: torch.Tensor, max_new_tokens: in
             next_token = next_token.masked_fill(finished, eos_token_id)
             finished |= next_token == eos_token_id
         tokens.append(next_token[:, None])
-        if i + 1 == max_new_tokens or bool(finished.all()):
+        if i + 1 == max_new_tokens or (eos_token_id is not None and bool(finished.all())):
             break
-        next_token = pick_next(model.decode_step(next_token, cache), do_sample, temperature,
-                               top_k, generator)
+        next_token = pick_next(step(next_token), do_sample, temperature, top_k, generator)
     return torch.cat(tokens, 1)

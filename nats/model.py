@@ -68,7 +68,7 @@ class Block(nn.Module):
         x = x + y
         return x + self.mlp(self.mlp_norm(x)), routing, cache
 
-    def step(self, x: torch.Tensor, cache, position: int) -> torch.Tensor:
+    def step(self, x: torch.Tensor, cache, position: torch.Tensor) -> torch.Tensor:
         x = x + self.mixer.step(self.mixer_norm(x), cache, position)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -148,16 +148,36 @@ class NatsForCausalLM(nn.Module):
         for block in self.blocks:
             x, _, cache = block.prefill(x)
             caches.append(cache)
-        return self.lm_head(self.norm(x)), HybridCache(layers=caches, position=input_ids.shape[1])
+        position = input_ids.shape[1]
+        return self.lm_head(self.norm(x)), HybridCache(
+            layers=caches, position=position,
+            position_t=torch.tensor(position, device=input_ids.device))
 
     @torch.no_grad()
     def decode_step(self, token: torch.Tensor, cache: HybridCache) -> torch.Tensor:
         """Logits ``[B, V]`` for one new token ``[B]``; advances ``cache``."""
+        logits = self.decode_compute(token, cache)
+        self.decode_advance(cache)
+        return logits
+
+    @torch.no_grad()
+    def decode_compute(self, token: torch.Tensor, cache: HybridCache) -> torch.Tensor:
+        """The device work of a decode step: logits ``[B, V]``, every cache buffer updated
+        in place. It reads no value back to the host and launches the same kernels at every
+        position, so :class:`nats.cuda_graph.GraphedDecoder` can capture it; it must be
+        followed by :meth:`decode_advance`."""
         x = self.embed(token[:, None])
         for block, layer_cache in zip(self.blocks, cache.layers, strict=True):
-            x = block.step(x, layer_cache, cache.position)
-        cache.position += 1
+            x = block.step(x, layer_cache, cache.position_t)
+        cache.position_t.add_(1)
         return self.lm_head(self.norm(x))[:, 0]
+
+    def decode_advance(self, cache: HybridCache) -> None:
+        """The host bookkeeping after :meth:`decode_compute`: chunks that end are scored and
+        filed, full buffers grow."""
+        for block, layer_cache in zip(self.blocks, cache.layers, strict=True):
+            block.mixer.advance(layer_cache, cache.position)
+        cache.position += 1
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **sampling) -> torch.Tensor:
         """Prompt followed by ``max_new_tokens`` tokens; see :func:`nats.generation.generate`."""

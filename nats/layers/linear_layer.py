@@ -41,11 +41,15 @@ class LinearLayer(nn.Module):
     def prefill(self, x: torch.Tensor) -> tuple[torch.Tensor, None, LinearLayerCache]:
         qkv, conv = self.qkv.prefill(x)
         y, state = self._mix(x, qkv)
-        return y, None, LinearLayerCache(conv=conv, state=state)
+        return y, None, LinearLayerCache(conv=conv, state=state.contiguous())
 
-    def step(self, x: torch.Tensor, cache: LinearLayerCache, position: int) -> torch.Tensor:
-        qkv, cache.conv = self.qkv.step(x, cache.conv)
-        q, k, v = self.linear.features(*qkv)
-        o, cache.state = self.linear.step(cache.state, q[:, 0], k[:, 0], v[:, 0],
-                                          self.gates(x).window(0))
+    def step(self, x: torch.Tensor, cache: LinearLayerCache, position: torch.Tensor,
+             ) -> torch.Tensor:
+        """One token; updates the cache in place (``position`` is not needed)."""
+        q, k, v = self.linear.features(*self.qkv.step(x, cache.conv))
+        o, _ = self.linear.step(cache.state, q[:, 0], k[:, 0], v[:, 0],
+                                self.gates(x).window(0), out=cache.state)
         return self.out(rms_norm(o[:, None].to(x.dtype), self.cfg.norm_eps), x)
+
+    def advance(self, cache: LinearLayerCache, position: int) -> None:
+        """Nothing to do between steps: the state is all there is."""

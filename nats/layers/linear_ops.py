@@ -183,11 +183,15 @@ class LinearOperator:
         return hybrid_linear_attention(q, k, v, routes, self.chunk_size, **common)
 
     def step(self, state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             gates: TokenGates) -> tuple[torch.Tensor, torch.Tensor]:
+             gates: TokenGates, out: torch.Tensor | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
         """One token: q, k ``[B, H, Dk]``, v ``[B, H, Dv]``, gates of that token ``[B, H]``.
-        Returns ``(o [B, H, Dv], new_state)``."""
+        Returns ``(o [B, H, Dv], new_state)``; the new state goes into ``out`` when given
+        (``out=state``: in place)."""
+        common = dict(out=out, backend=self.backend)
         if self.delta:
-            return gated_delta_rule_step(state, q, k, v, gates.g, gates.beta, self.scale)
+            return gated_delta_rule_step(state, q, k, v, gates.g, gates.beta, self.scale,
+                                         **common)
         if self.decays:
-            return gated_linear_attention_step(state, q, k, v, gates.g, self.scale)
-        return linear_attention_step(state, q, k, v)
+            return gated_linear_attention_step(state, q, k, v, gates.g, self.scale, **common)
+        return linear_attention_step(state, q, k, v, **common)

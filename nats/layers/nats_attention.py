@@ -70,7 +70,8 @@ class NatsAttention(nn.Module):
 
     # -- pieces shared by the parallel form and decoding ---------------------------------
 
-    def _softmax_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int):
+    def _softmax_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       start: int | torch.Tensor):
         cfg = self.cfg
         shape = (*q.shape[:2], cfg.n_heads * cfg.softmax_heads_per_head, -1)
         qs, ks = self.q_norm(q.view(shape)), self.k_norm(k.view(shape))
@@ -130,10 +131,12 @@ class NatsAttention(nn.Module):
             done = seq_len // c * c  # tokens in finished chunks
             store_k, store_v, store_chunks = self._pack_store(ks, vs, routes, done // c)
             cache = NatsLayerCache(
-                conv=cache_conv, state=state, snapshot=snapshot,
-                chunk_log_decay=gates.g[:, done:].sum(1), chunk_k=ks[:, done:].transpose(1, 2),
-                chunk_v=vs[:, done:].transpose(1, 2), pool_sum=upcast(x[:, done:]).sum(1),
-                store_k=store_k, store_v=store_v, store_chunks=store_chunks)
+                conv=cache_conv, state=state.contiguous(),
+                snapshot=snapshot.to(state.dtype, copy=True),
+                chunk_log_decay=gates.g[:, done:].sum(1), chunk_k=self._open_chunk(ks, done),
+                chunk_v=self._open_chunk(vs, done), open_len=seq_len - done,
+                pool_sum=upcast(x[:, done:]).sum(1), store_k=store_k, store_v=store_v,
+                store_chunks=store_chunks)
         routing = LayerRouting(routes=routes, probs=probs, attn_frac=softmax_fraction(routes),
                                reg=cfg.reg_lambda * probs[..., SOFTMAX].mean())
         return self._merge(q, o_la, o_sm, x), routing, cache
@@ -166,6 +169,11 @@ class NatsAttention(nn.Module):
             outs.append(o)
         return torch.cat(outs, 1), state, snapshot
 
+    def _open_chunk(self, x: torch.Tensor, done: int) -> torch.Tensor:
+        """The unfinished chunk's tokens ``x[:, done:]`` in a ``[B, H*r, C, D]`` buffer."""
+        tail = x[:, done:].transpose(1, 2)
+        return F.pad(tail, (0, 0, 0, self.cfg.chunk_size - tail.shape[2]))
+
     def _pack_store(self, ks: torch.Tensor, vs: torch.Tensor, routes: torch.Tensor, done: int):
         """Keys/values of the ``done`` finished softmax chunks, packed in order per head.
 
@@ -194,24 +202,34 @@ class NatsAttention(nn.Module):
 
     # -- decoding one token ----------------------------------------------------------------
 
-    def step(self, x: torch.Tensor, cache: NatsLayerCache, position: int) -> torch.Tensor:
-        """One token ``x`` ``[B, 1, D]`` at ``position``; updates ``cache`` in place."""
-        cfg = self.cfg
-        (q, k, v), cache.conv = self.qkv.step(x, cache.conv)
+    def step(self, x: torch.Tensor, cache: NatsLayerCache, position: torch.Tensor,
+             ) -> torch.Tensor:
+        """One token ``x`` ``[B, 1, D]`` at ``position`` (a device scalar); updates ``cache``
+        in place, with the same launches at every position (no host reads)."""
+        cfg, c = self.cfg, self.cfg.chunk_size
+        q, k, v = self.qkv.step(x, cache.conv)
         qs, ks, vs = self._softmax_heads(q, k, v, position)
         ql, kl, vl = self.linear.features(q, k, v)
         gates = self.gates(x).window(0)
-        o_la, cache.state = self.linear.step(cache.state, ql[:, 0], kl[:, 0], vl[:, 0], gates)
-        cache.chunk_log_decay = cache.chunk_log_decay + gates.g
-        cache.chunk_k = torch.cat([cache.chunk_k, ks.transpose(1, 2)], 2)
-        cache.chunk_v = torch.cat([cache.chunk_v, vs.transpose(1, 2)], 2)
-        cache.pool_sum = cache.pool_sum + upcast(x[:, 0])
-        o_sm = hybrid_attention_decode(qs[:, 0], cache.store_k, cache.store_v, cache.store_chunks,
-                                       cache.chunk_k, cache.chunk_v, cfg.softmax_head_dim_k**-0.5)
-        y = self._merge(q, o_la[:, None], o_sm[:, None], x)
-        if (position + 1) % cfg.chunk_size == 0:
-            self._close_chunk(cache, position // cfg.chunk_size)
-        return y
+        o_la, _ = self.linear.step(cache.state, ql[:, 0], kl[:, 0], vl[:, 0], gates,
+                                   out=cache.state)
+        cache.chunk_log_decay.add_(gates.g)
+        slot = (position % c).view(1)
+        cache.chunk_k.index_copy_(2, slot, ks.transpose(1, 2))
+        cache.chunk_v.index_copy_(2, slot, vs.transpose(1, 2))
+        cache.pool_sum.add_(upcast(x[:, 0]))
+        store_k, store_v = cache.store_k.flatten(3, 4), cache.store_v.flatten(3, 4)
+        o_sm = hybrid_attention_decode(qs[:, 0], store_k, store_v, cache.store_chunks * c,
+                                       cache.chunk_k, cache.chunk_v, slot + 1,
+                                       cfg.softmax_head_dim_k**-0.5, backend=cfg.backend)
+        return self._merge(q, o_la[:, None], o_sm[:, None], x)
+
+    def advance(self, cache: NatsLayerCache, position: int) -> None:
+        """Host bookkeeping after the step of the token at ``position``: once its chunk is
+        full, score and file it (between steps, so a captured step stays the same)."""
+        cache.open_len += 1
+        if cache.open_len == self.cfg.chunk_size:
+            self._close_chunk(cache, position // self.cfg.chunk_size)
 
     def _close_chunk(self, cache: NatsLayerCache, chunk: int) -> None:
         """Score the finished chunk; SM keeps its keys and restores the snapshot decayed by
@@ -220,8 +238,8 @@ class NatsAttention(nn.Module):
         routes, _ = self._route(pooled[:, None], chunk)
         is_sm = routes[:, 0, :, SOFTMAX] > 0.5  # [B, H]
         decayed = cache.snapshot * cache.chunk_log_decay.exp()[..., None, None]
-        cache.state = torch.where(is_sm[..., None, None], decayed, cache.state)
-        cache.snapshot = cache.state
+        cache.state.copy_(torch.where(is_sm[..., None, None], decayed, cache.state))
+        cache.snapshot.copy_(cache.state)
         cache.append_chunk(is_sm)
-        cache.pool_sum = torch.zeros_like(cache.pool_sum)
-        cache.chunk_log_decay = torch.zeros_like(cache.chunk_log_decay)
+        cache.pool_sum.zero_()
+        cache.chunk_log_decay.zero_()

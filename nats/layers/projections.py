@@ -22,14 +22,16 @@ class QKVProjection(nn.Module):
         return self.conv(self.proj(x)).split(self.dims, -1)
 
     def prefill(self, x: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-        """Like forward, plus the conv state that decoding continues from."""
+        """Like forward, plus the conv window that decoding continues from (its own buffer:
+        decode steps update it in place)."""
         h = self.proj(x)
-        return self.conv(h).split(self.dims, -1), self.conv.tail(h)
+        return self.conv(h).split(self.dims, -1), self.conv.tail(h).clone()
 
-    def step(self, x: torch.Tensor, state: torch.Tensor,
-             ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-        y, state = self.conv.step(self.proj(x), state)
-        return y.split(self.dims, -1), state
+    def step(self, x: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One token ``[B, 1, d_model]``; advances the conv ``window`` in place."""
+        y, new_window = self.conv.step(self.proj(x), window)
+        window.copy_(new_window)
+        return y.split(self.dims, -1)
 
 
 class GatedOutput(nn.Module):

@@ -12,7 +12,7 @@ from torch import nn
 
 from nats.cache import SoftmaxLayerCache
 from nats.config import NatsConfig
-from nats.kernels.decode import decode_attention
+from nats.kernels.decode import hybrid_attention_decode
 
 from .norms import RMSNorm
 from .projections import QKVProjection
@@ -37,7 +37,8 @@ class SoftmaxAttention(nn.Module):
         self.q_norm, self.k_norm = RMSNorm(dk, cfg.norm_eps), RMSNorm(dk, cfg.norm_eps)
         self.out = nn.Linear(self.heads * dv, cfg.d_model, bias=False)
 
-    def _heads(self, x: torch.Tensor, qkv: tuple[torch.Tensor, ...], start: int):
+    def _heads(self, x: torch.Tensor, qkv: tuple[torch.Tensor, ...],
+               start: int | torch.Tensor):
         q, k, v = qkv
         shape = (*x.shape[:2], self.heads, -1)
         q, k = self.q_norm(q.view(shape)), self.k_norm(k.view(shape))
@@ -52,21 +53,29 @@ class SoftmaxAttention(nn.Module):
     def prefill(self, x: torch.Tensor) -> tuple[torch.Tensor, None, SoftmaxLayerCache]:
         qkv, conv = self.qkv.prefill(x)
         q, k, v = self._heads(x, qkv, 0)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                           v.transpose(1, 2), is_causal=True)
-        cache = SoftmaxLayerCache(k=k.transpose(1, 2).contiguous(),
-                                  v=v.transpose(1, 2).contiguous(), length=x.shape[1],
-                                  conv=conv)
+        # Contiguous heads: with v a strided slice of the projection, SDPA on an H100 fell
+        # back to its math kernel and its [T, T] scores (128 GiB at 32k tokens).
+        o = F.scaled_dot_product_attention(*(t.transpose(1, 2).contiguous() for t in (q, k, v)),
+                                           is_causal=True)
+        cache = SoftmaxLayerCache.from_prompt(k.transpose(1, 2), v.transpose(1, 2), conv)
         return self.out(o.transpose(1, 2).flatten(2)), None, cache
 
-    def step(self, x: torch.Tensor, cache: SoftmaxLayerCache, position: int) -> torch.Tensor:
-        qkv, cache.conv = self.qkv.step(x, cache.conv)
-        q, k, v = self._heads(x, qkv, position)
-        cache.append(k[:, 0], v[:, 0])
-        n = cache.length
-        o = decode_attention(q[:, 0], [cache.k[:, :, :n]], [cache.v[:, :, :n]],
-                             q.shape[-1] ** -0.5, [None])
+    def step(self, x: torch.Tensor, cache: SoftmaxLayerCache, position: torch.Tensor,
+             ) -> torch.Tensor:
+        """One token at ``position`` (a device scalar); writes it into the cache."""
+        q, k, v = self._heads(x, self.qkv.step(x, cache.conv), position)
+        at = position.view(1)
+        cache.k.index_copy_(2, at, k.transpose(1, 2))
+        cache.v.index_copy_(2, at, v.transpose(1, 2))
+        # The whole cache is one stored segment of a single head per query head (r = 1).
+        o = hybrid_attention_decode(q[:, 0], cache.k[:, :, None], cache.v[:, :, None],
+                                    (at + 1).expand(q.shape[0], q.shape[2]),
+                                    backend=self.cfg.backend)
         return self.out(o.flatten(1)[:, None].to(x.dtype))
+
+    def advance(self, cache: SoftmaxLayerCache, position: int) -> None:
+        """Host bookkeeping after a step (see :meth:`NatsAttention.advance`)."""
+        cache.advance()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
         """Refuse, in one line, weights saved before this layer had its short convolution

@@ -83,3 +83,12 @@ def test_generate_rejects_bad_arguments():
         model.generate(torch.zeros(1, 0, dtype=torch.long), 3)
     with pytest.raises(ValueError, match="temperature"):
         model.generate(torch.zeros(1, 2, dtype=torch.long), 3, do_sample=True, temperature=0.0)
+
+
+def test_graphed_decoding_needs_a_gpu():
+    from nats.cuda_graph import GraphedDecoder
+
+    model = tiny_model(("nats",))
+    _, cache = model.prefill(torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="needs the model and its cache on a GPU"):
+        GraphedDecoder(model, cache)

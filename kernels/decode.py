@@ -1,0 +1,68 @@
+"""Public one-token decode operators: one signature, a ``backend`` that picks the
+implementation (as in :mod:`.ops`: ``"auto"`` is Triton for CUDA tensors, the plain
+PyTorch reference otherwise).
+
+Each step operator returns ``(o, new_state)`` and writes the new state into ``out``
+when given (``out=state`` updates it in place, which a CUDA-graph-captured step needs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ops import Backend, resolve_backend
+from .reference import decode as reference
+
+
+def _triton(backend: Backend, x: torch.Tensor):
+    """The Triton decode module where ``backend`` picks it for ``x``, else None."""
+    if resolve_backend(backend, x) == "reference":
+        return None
+    from .triton import decode  # imported lazily: Triton is optional on the CPU path
+
+    return decode
+
+
+def gated_delta_rule_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          g: torch.Tensor, beta: torch.Tensor, scale: float, *,
+                          out: torch.Tensor | None = None, backend: Backend = "auto",
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`.reference.decode.gated_delta_rule_step`."""
+    fast = _triton(backend, state)
+    if fast is None:
+        return reference.gated_delta_rule_step(state, q, k, v, g, beta, scale, out)
+    return fast.linear_step(state, q, k, v, g, beta, scale, out)
+
+
+def gated_linear_attention_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                                v: torch.Tensor, g: torch.Tensor, scale: float, *,
+                                out: torch.Tensor | None = None, backend: Backend = "auto",
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`.reference.decode.gated_linear_attention_step`."""
+    fast = _triton(backend, state)
+    if fast is None:
+        return reference.gated_linear_attention_step(state, q, k, v, g, scale, out)
+    return fast.linear_step(state, q, k, v, g, None, scale, out)
+
+
+def linear_attention_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                          v: torch.Tensor, eps: float = 1e-6, *, out: torch.Tensor | None = None,
+                          backend: Backend = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`.reference.decode.linear_attention_step` (every backend composes it over
+    its own gated linear attention step)."""
+    def gla(*args):
+        return gated_linear_attention_step(*args[:6], out=args[6], backend=backend)
+
+    return reference.linear_attention_step(state, q, k, v, eps, out, gla_step=gla)
+
+
+def hybrid_attention_decode(q: torch.Tensor, store_k: torch.Tensor, store_v: torch.Tensor,
+                            store_len: torch.Tensor, chunk_k: torch.Tensor | None = None,
+                            chunk_v: torch.Tensor | None = None,
+                            chunk_len: torch.Tensor | None = None, scale: float | None = None,
+                            *, backend: Backend = "auto") -> torch.Tensor:
+    """See :func:`.reference.decode.hybrid_attention_decode`."""
+    fast = _triton(backend, q)
+    impl = reference if fast is None else fast
+    return impl.hybrid_attention_decode(q, store_k, store_v, store_len, chunk_k, chunk_v,
+                                        chunk_len, scale)

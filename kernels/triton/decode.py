@@ -1,0 +1,185 @@
+"""One-token decode in Triton: the linear state update and softmax attention over the cache.
+
+Same contracts as :mod:`..reference.decode`. A decode step reads every byte of the
+state and of the stored keys and values once and does little arithmetic on them, so
+both kernels are memory-bound; what they save over the reference is the chain of small
+PyTorch launches (and a decode step, unlike training, runs at batch 1 where launches
+are the whole cost):
+
+* :func:`linear_step`: one launch updates the float32 state (optionally in place) and
+  writes the output, for the gated delta rule (``DELTA``) and for gated linear attention.
+  Programs own disjoint ``[Dk, BV]`` column blocks of a head's state, read whole before
+  they are written, so ``out=state`` is safe.
+* :func:`hybrid_attention_decode`: split-K ("flash decoding"). The store is cut into
+  splits of ``SPLIT`` keys, plus one split for the open chunk; each program runs an
+  online softmax over its keys and writes its partial maximum, sum and weighted values;
+  a second launch merges the splits. The number of splits follows the store's capacity
+  (a shape), not its length (a device value), so the launches are the same every step.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .utils import empty
+
+LOG2E = 1.4426950408889634
+SPLIT = 256
+"""Stored keys per program of the attention kernel."""
+BLOCK_N = 64
+"""Keys per step of a program's loop."""
+
+
+@triton.jit
+def _linear_step_kernel(S, S_OUT, Q, K, V, G, BETA, OUT, scale, DK: tl.constexpr,
+                        DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                        DELTA: tl.constexpr):
+    i_bh, i_v = tl.program_id(0), tl.program_id(1)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < DK, o_v < DV
+    p_s = i_bh.to(tl.int64) * DK * DV + o_k[:, None] * DV + o_v[None, :]
+    m_s = m_k[:, None] & m_v[None, :]
+    s = tl.load(S + p_s, mask=m_s, other=0.0) * tl.exp(tl.load(G + i_bh).to(tl.float32))
+    q = tl.load(Q + i_bh * DK + o_k, mask=m_k, other=0.0).to(tl.float32)
+    k = tl.load(K + i_bh * DK + o_k, mask=m_k, other=0.0).to(tl.float32)
+    v = tl.load(V + i_bh * DV + o_v, mask=m_v, other=0.0).to(tl.float32)
+    if DELTA:  # write b (v - S^T k) instead of v
+        v = tl.load(BETA + i_bh).to(tl.float32) * (v - tl.sum(k[:, None] * s, 0))
+    s += k[:, None] * v[None, :]
+    tl.store(S_OUT + p_s, s, mask=m_s)
+    tl.store(OUT + i_bh * DV + o_v, tl.sum(q[:, None] * s, 0) * scale, mask=m_v)
+
+
+def linear_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                g: torch.Tensor, beta: torch.Tensor | None, scale: float,
+                out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o [B, H, Dv] float32, new_state)``: the gated delta rule's step where ``beta`` is
+    given, gated linear attention's where it is None (see the reference steps)."""
+    batch, heads, d_k, d_v = state.shape
+    if state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError("the decode state must be a contiguous float32 tensor")
+    new_state = empty(*state.shape, dtype=torch.float32, device=state.device) if out is None \
+        else out
+    o = empty(batch, heads, d_v, dtype=torch.float32, device=state.device)
+    block_v = min(32, triton.next_power_of_2(d_v))
+    g = g.float().contiguous()
+    _linear_step_kernel[(batch * heads, triton.cdiv(d_v, block_v))](
+        state, new_state, q.contiguous(), k.contiguous(), v.contiguous(), g,
+        g if beta is None else beta.float().contiguous(), o, scale,
+        DK=d_k, DV=d_v, BK=triton.next_power_of_2(d_k), BV=block_v, DELTA=beta is not None)
+    return o, new_state
+
+
+@triton.jit
+def _attn_partial_kernel(Q, SK, SV, SLEN, CK, CV, CLEN, M_OUT, L_OUT, ACC_OUT, qk_scale,
+                         n_splits, n_store_splits, capacity, HQ: tl.constexpr,
+                         H: tl.constexpr, R: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                         BD: tl.constexpr, BDV: tl.constexpr, C_OWN: tl.constexpr,
+                         SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Split ``i_s`` of query ``i_bq = b * HQ + hq``: store keys ``[i_s SPLIT, ..)`` or, for
+    the last split, the open chunk. Store rows of ``hq`` start at ``i_bq * capacity``:
+    ``[B, H, R, S]`` flattens to ``b * HQ + hq`` with ``hq = h * R + j``."""
+    i_bq, i_s = tl.program_id(0), tl.program_id(1)
+    b, hq = i_bq // HQ, i_bq % HQ
+    o_d, o_dv = tl.arange(0, BD), tl.arange(0, BDV)
+    q = tl.load(Q + i_bq * D + o_d, mask=o_d < D, other=0.0).to(tl.float32) * qk_scale
+    if i_s < n_store_splits:
+        k_ptr = SK + i_bq.to(tl.int64) * capacity * D
+        v_ptr = SV + i_bq.to(tl.int64) * capacity * DV
+        start = i_s * SPLIT
+        end = tl.minimum(start + SPLIT, tl.load(SLEN + b * H + hq // R).to(tl.int32))
+    else:
+        k_ptr = CK + i_bq.to(tl.int64) * C_OWN * D
+        v_ptr = CV + i_bq.to(tl.int64) * C_OWN * DV
+        start = i_s * 0
+        end = tl.load(CLEN).to(tl.int32)
+    m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), 0)
+    l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), 0)
+    acc = tl.zeros([BDV], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        ok = cols < end
+        k = tl.load(k_ptr + cols[:, None] * D + o_d[None, :],
+                    mask=ok[:, None] & (o_d[None, :] < D), other=0.0).to(tl.float32)
+        s = tl.where(ok, tl.sum(k * q[None, :], 1), float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))  # finite: a block has a real key
+        p = tl.exp2(s - m_new)
+        alpha = tl.exp2(m_i - m_new)
+        v = tl.load(v_ptr + cols[:, None] * DV + o_dv[None, :],
+                    mask=ok[:, None] & (o_dv[None, :] < DV), other=0.0).to(tl.float32)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+        m_i = m_new
+    out = i_bq * n_splits + i_s
+    tl.store(M_OUT + out, m_i)
+    tl.store(L_OUT + out, l_i)
+    tl.store(ACC_OUT + out.to(tl.int64) * DV + o_dv, acc, mask=o_dv < DV)
+
+
+@triton.jit
+def _attn_combine_kernel(M_IN, L_IN, ACC_IN, OUT, n_splits, DV: tl.constexpr,
+                         BDV: tl.constexpr, BS: tl.constexpr):
+    """Merge the splits of one query: rescale each to the overall maximum and normalise."""
+    i_bq = tl.program_id(0)
+    o_dv = tl.arange(0, BDV)
+    base = i_bq * n_splits
+    top = tl.full([BS], float("-inf"), tl.float32)
+    for s0 in range(0, n_splits, BS):
+        o_s = s0 + tl.arange(0, BS)
+        top = tl.maximum(top, tl.load(M_IN + base + o_s, mask=o_s < n_splits,
+                                      other=float("-inf")))
+    m = tl.max(top, 0)  # finite: the query's own token is always a key
+    total = tl.zeros([BS], tl.float32)
+    acc = tl.zeros([BDV], tl.float32)
+    for s0 in range(0, n_splits, BS):
+        o_s = s0 + tl.arange(0, BS)
+        ok = o_s < n_splits
+        w = tl.exp2(tl.load(M_IN + base + o_s, mask=ok, other=float("-inf")) - m)
+        total += w * tl.load(L_IN + base + o_s, mask=ok, other=0.0)
+        part = tl.load(ACC_IN + (base + o_s).to(tl.int64)[:, None] * DV + o_dv[None, :],
+                       mask=ok[:, None] & (o_dv[None, :] < DV), other=0.0)
+        acc += tl.sum(w[:, None] * part, 0)
+    tl.store(OUT + i_bq * DV + o_dv, (acc / tl.sum(total, 0)).to(OUT.dtype.element_ty),
+             mask=o_dv < DV)
+
+
+def hybrid_attention_decode(q: torch.Tensor, store_k: torch.Tensor, store_v: torch.Tensor,
+                            store_len: torch.Tensor, chunk_k: torch.Tensor | None = None,
+                            chunk_v: torch.Tensor | None = None,
+                            chunk_len: torch.Tensor | None = None,
+                            scale: float | None = None) -> torch.Tensor:
+    """See :func:`nats.kernels.reference.decode.hybrid_attention_decode`."""
+    batch, heads, r, capacity, d_k = store_k.shape
+    d_v = store_v.shape[-1]
+    hq = heads * r
+    if q.shape != (batch, hq, d_k) or store_v.shape[:4] != store_k.shape[:4]:
+        raise ValueError(f"need q [B, H*r, D] = {[batch, hq, d_k]} and store_v "
+                         f"{list(store_k.shape[:4])} + [Dv]; got {list(q.shape)}, "
+                         f"{list(store_v.shape)}")
+    if not (store_k.is_contiguous() and store_v.is_contiguous()):
+        raise ValueError("the stored keys and values must be contiguous")
+    scale = d_k**-0.5 if scale is None else scale
+    own = chunk_k is not None
+    if own:
+        chunk_k, chunk_v = chunk_k.contiguous(), chunk_v.contiguous()
+    else:  # no open chunk: its split reads nothing (length 0)
+        chunk_k, chunk_v = store_k, store_v
+        chunk_len = torch.zeros(1, dtype=torch.int32, device=q.device)
+    n_store = triton.cdiv(capacity, SPLIT)
+    n_splits = n_store + 1
+    dev = q.device
+    m = empty(batch * hq, n_splits, dtype=torch.float32, device=dev)
+    lse = empty(batch * hq, n_splits, dtype=torch.float32, device=dev)
+    acc = empty(batch * hq, n_splits, d_v, dtype=torch.float32, device=dev)
+    _attn_partial_kernel[(batch * hq, n_splits)](
+        q.contiguous(), store_k, store_v, store_len.contiguous(), chunk_k, chunk_v, chunk_len,
+        m, lse, acc, scale * LOG2E, n_splits, n_store, capacity, HQ=hq, H=heads, R=r, D=d_k,
+        DV=d_v, BD=triton.next_power_of_2(d_k), BDV=triton.next_power_of_2(d_v),
+        C_OWN=chunk_k.shape[2] if own else 0, SPLIT=SPLIT, BLOCK_N=BLOCK_N)
+    out = empty(batch, hq, d_v, dtype=store_v.dtype, device=dev)
+    _attn_combine_kernel[(batch * hq,)](m, lse, acc, out, n_splits, DV=d_v,
+                                        BDV=triton.next_power_of_2(d_v), BS=64)
+    return out

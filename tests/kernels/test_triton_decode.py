@@ -1,0 +1,138 @@
+"""One-token decode: the reference against a direct computation, the Triton kernels
+against the reference.
+
+Without a GPU the kernels run under ``TRITON_INTERPRET=1`` on tiny shapes in float32
+and float16; with one, in bfloat16 at the shapes of ``nats bench decode``. Kernel
+outputs start as NaN, so an element a kernel fails to write shows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nats.kernels import decode
+from nats.kernels.reference import decode as ref
+from nats.kernels.triton import utils
+
+from .inputs import check, gdr_inputs
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+LOW = torch.bfloat16 if CUDA else torch.float16
+OUTPUT_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+"""Both sides compute in float32; the tolerance is the rounding of the output's dtype."""
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(utils, "POISON_OUTPUTS", True)
+
+
+def _cache(batch: int, heads: int, r: int, capacity: int, chunk: int, d_k: int, d_v: int,
+           dtype: torch.dtype, seed: int):
+    """Random query, store (stale rows past each head's length filled with 1e4, which a
+    read past the length would show) and open chunk."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    store_len = torch.randint(0, capacity + 1, (batch, heads), generator=gen)
+    store_len[0, 0], store_len[-1, -1] = 0, capacity  # an empty head and a full one
+    stale = torch.arange(capacity)[None, None, None, :, None] >= store_len[:, :, None, None, None]
+    store_k = randn(batch, heads, r, capacity, d_k).masked_fill(stale, 1e4)
+    store_v = randn(batch, heads, r, capacity, d_v).masked_fill(stale, 1e4)
+    chunk_k, chunk_v = randn(batch, heads * r, chunk, d_k), randn(batch, heads * r, chunk, d_v)
+    q = randn(batch, heads * r, d_k)
+    return ([t.to(dtype) for t in (q, store_k, store_v)], store_len,
+            [t.to(dtype) for t in (chunk_k, chunk_v)])
+
+
+@pytest.mark.parametrize("chunk_len", [1, 5, 16])
+def test_reference_attention_equals_attention_over_the_real_keys(chunk_len: int) -> None:
+    """The masked reference against softmax over the concatenated real keys, head by head."""
+    (q, store_k, store_v), store_len, (chunk_k, chunk_v) = _cache(2, 2, 2, 20, 16, 8, 4,
+                                                                 torch.float64, chunk_len)
+    got = ref.hybrid_attention_decode(q, store_k, store_v, store_len, chunk_k, chunk_v,
+                                      torch.tensor([chunk_len]), 0.3)
+    for b in range(2):
+        for hq in range(4):
+            n = int(store_len[b, hq // 2])
+            keys = torch.cat([store_k[b, hq // 2, hq % 2, :n], chunk_k[b, hq, :chunk_len]])
+            values = torch.cat([store_v[b, hq // 2, hq % 2, :n], chunk_v[b, hq, :chunk_len]])
+            want = torch.softmax(keys @ q[b, hq] * 0.3, 0) @ values
+            torch.testing.assert_close(got[b, hq], want, rtol=1e-12, atol=1e-12)
+
+
+ATTENTION_CASES = [
+    # batch, heads, r, capacity, chunk, Dk, Dv, chunk_len (None: no open chunk), dtype
+    (2, 2, 2, 20, 16, 16, 8, 1, torch.float32),
+    (1, 3, 1, 300, 32, 32, 32, 32, torch.float16),  # two store splits
+    (2, 2, 2, 64, 16, 24, 16, 9, torch.float32),     # a head width that is no power of two
+    (2, 4, 1, 70, 0, 16, 16, None, torch.float16),   # a plain softmax layer's cache
+] if not CUDA else [
+    (1, 16, 2, 8192, 64, 64, 64, 37, torch.bfloat16),
+    (4, 16, 2, 2048, 64, 64, 64, 64, torch.bfloat16),
+    (1, 32, 1, 100_000, 0, 64, 64, None, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize(("batch", "heads", "r", "capacity", "chunk", "d_k", "d_v", "chunk_len",
+                          "dtype"), ATTENTION_CASES)
+def test_triton_attention_matches_reference(batch: int, heads: int, r: int, capacity: int,
+                                            chunk: int, d_k: int, d_v: int,
+                                            chunk_len: int | None, dtype: torch.dtype) -> None:
+    (q, store_k, store_v), store_len, (chunk_k, chunk_v) = _cache(
+        batch, heads, r, capacity, max(chunk, 1), d_k, d_v, dtype, capacity)
+    if chunk_len is None:
+        store_len.clamp_(min=1)  # the plain layer's own token is in its store
+        chunk_k = chunk_v = None
+        length = None
+    else:
+        length = torch.tensor([chunk_len], device=DEVICE)
+    args = [t.to(DEVICE) for t in (q, store_k, store_v, store_len)]
+    args += [None if t is None else t.to(DEVICE) for t in (chunk_k, chunk_v)] + [length]
+    got = decode.hybrid_attention_decode(*args, 0.2, backend="triton")
+    want = ref.hybrid_attention_decode(*args, 0.2)
+    assert got.dtype == dtype
+    check(got, want, OUTPUT_TOL[dtype], "attention")
+
+
+LINEAR_CASES = [(2, 3, 16, 16, torch.float32), (1, 2, 32, 24, LOW)] if not CUDA else [
+    (1, 16, 128, 128, torch.bfloat16), (8, 16, 128, 128, torch.float32)]
+
+
+@pytest.mark.parametrize("op", ["gated_deltanet", "gated_linear_attention", "linear_attention"])
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize(("batch", "heads", "d_k", "d_v", "dtype"), LINEAR_CASES)
+def test_triton_linear_step_matches_reference(op: str, in_place: bool, batch: int, heads: int,
+                                              d_k: int, d_v: int, dtype: torch.dtype) -> None:
+    x = gdr_inputs(batch, 1, heads, d_k, d_v + (op == "linear_attention"),
+                   dtype=torch.float32, seed=d_v)
+    q, k, v = (x[n][:, 0].to(DEVICE, dtype) for n in ("q", "k", "v"))
+    g, beta = (x[n][:, 0].to(DEVICE) for n in ("g", "beta"))
+    # A small state, so that the token's write is a large part of the new one.
+    state = 0.1 * x["initial_state"][:, :, :, : v.shape[-1] + (op == "linear_attention")]
+    state = state.contiguous().to(DEVICE)
+    if op == "linear_attention":
+        v = v[..., :d_v]
+
+    def run(backend: str, s: torch.Tensor):
+        out = s if in_place else None
+        if op == "gated_deltanet":
+            return decode.gated_delta_rule_step(s, q, k, v, g, beta, 0.25, out=out,
+                                                backend=backend)
+        if op == "gated_linear_attention":
+            return decode.gated_linear_attention_step(s, q, k, v, g, 0.25, out=out,
+                                                      backend=backend)
+        return decode.linear_attention_step(s, F.elu(q.float()).to(dtype), k, v, out=out,
+                                            backend=backend)
+
+    state_tri = state.clone()
+    o, new = run("triton", state_tri)
+    o_ref, new_ref = run("reference", state.clone())
+    assert (new is state_tri) == in_place
+    check(o, o_ref, 1e-5 if op != "linear_attention" else OUTPUT_TOL[dtype], "o")
+    check(new, new_ref, 1e-5, "state")
