@@ -50,8 +50,10 @@ def linear_attention_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                           backend: Backend = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`.reference.decode.linear_attention_step` (every backend composes it over
     its own gated linear attention step)."""
-    def gla(*args):
-        return gated_linear_attention_step(*args[:6], out=args[6], backend=backend)
+    def gla(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            g: torch.Tensor, scale: float, out: torch.Tensor | None,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        return gated_linear_attention_step(state, q, k, v, g, scale, out=out, backend=backend)
 
     return reference.linear_attention_step(state, q, k, v, eps, out, gla_step=gla)
 

@@ -41,8 +41,8 @@ class GraphedDecoder:
     @torch.no_grad()
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, V]`` of one new token ``[B]``; advances the cache."""
-        if self.graph is None or self._buffers() != self.bound_to or token.shape != \
-                self.token.shape:
+        stale = self.graph is None or token.shape != self.token.shape
+        if stale or self._buffers() != self.bound_to:
             return self._eager_then_capture(token)
         self.token.copy_(token)
         self.graph.replay()
