@@ -27,21 +27,6 @@ def autotune_configs(configs: list[triton.Config], interpreted: triton.Config,
     return [interpreted] if INTERPRET else configs
 
 
-def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cpu" if INTERPRET else "cuda")
-
-
-def use_descriptor_scratch() -> None:
-    """Route Triton's scratch allocations through PyTorch's caching allocator.
-
-    Kernels that build TMA descriptors on the device write them to global scratch (128
-    bytes per program), which Triton asks its allocator for at launch; it has none by
-    default. Called before such launches; it replaces any allocator set earlier with this
-    equivalent one (on the current device, where Triton launches).
-    """
-    triton.set_allocator(_descriptor_scratch)
-
-
 def empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An output buffer every element of which a kernel must write (NaN when poisoning)."""
     out = torch.empty(shape, dtype=dtype, device=device)

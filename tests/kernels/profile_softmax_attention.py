@@ -77,38 +77,44 @@ class Case:
         return (torch.full_like(self.q, float("nan")),
                 torch.full((HEADS * R, self.total), float("nan"), device=DEVICE))
 
+    def launch(self, kernel, grid_block: str, meta: dict, args: tuple, **const) -> None:
+        """One launch: the autotuned kernel as the operator runs it, or ``kernel.fn`` with the
+        config ``meta`` pinned (then its descriptors get their block rows here)."""
+        grid = S._grid(grid_block, self.n_chunks, CHUNK, HEADS * R)
+        const = dict(H=HEADS, R=R, C=CHUNK, DK=DIM, DV=DIM, **const)
+        if meta:
+            names = kernel.arg_names
+            S._set_block_rows({**dict(zip(names, args, strict=False)), **meta})
+            kernel[grid(meta)](*args, **const, **meta)
+        else:
+            kernel[grid](*args, **const)
+
     def fwd(self, kernel, meta: dict):
         o, lse = self.outs()
-        grid = S._grid("BLOCK_M", self.n_chunks, CHUNK, HEADS * R)
-        kernel[grid if not meta else grid(meta)](
-            self.q, self.k, self.v, o, lse, self.sel, self.before, *self.cmap,
-            *self.q.stride()[:2], *self.k.stride()[:2], *self.v.stride()[:2], *o.stride()[:2],
-            self.scale * S.LOG2E, self.n_chunks, self.total,
-            HQ=HEADS * R, H=HEADS, R=R, C=CHUNK, DK=DIM, DV=DIM, **meta)
+        self.launch(kernel, "BLOCK_M", meta, (
+            self.q, self.k, self.v, S._descriptor(self.k), S._descriptor(self.v), o, lse,
+            self.sel, self.before, *self.cmap, *self.q.stride()[:2], *self.k.stride()[:2],
+            *self.v.stride()[:2], *o.stride()[:2], self.scale * S.LOG2E, self.n_chunks,
+            self.total))
         return o, lse
 
     def dkdv(self, kernel, meta: dict):
         dk, dv = torch.empty_like(self.k), torch.empty_like(self.v)
         dz = torch.empty(HEADS * R, self.total, device=DEVICE)
-        grid = S._grid("BLOCK_N", self.n_chunks, CHUNK, HEADS * R)
-        kernel[grid if not meta else grid(meta)](
-            self.q, self.k, self.v, self.do, dk, dv, dz, self.lse, self.delta, self.before,
-            *self.cmap, *self.q.stride()[:2], *self.k.stride()[:2], *self.v.stride()[:2],
-            *self.do.stride()[:2], *dk.stride()[:2], *dv.stride()[:2],
-            self.scale * S.LOG2E, self.scale, self.total,
-            HQ=HEADS * R, H=HEADS, R=R, C=CHUNK, DK=DIM, DV=DIM, ROUTE_GRAD=1,
-            **meta)
+        self.launch(kernel, "BLOCK_N", meta, (
+            self.k, self.v, S._descriptor(self.q), S._descriptor(self.do), dk, dv, dz,
+            self.lse, self.delta, self.before, *self.cmap, *self.k.stride()[:2],
+            *self.v.stride()[:2], *dk.stride()[:2], *dv.stride()[:2],
+            self.scale * S.LOG2E, self.scale, self.total), ROUTE_GRAD=1)
         return dk, dv, dz
 
     def dq(self, kernel, meta: dict):
         dq = torch.empty_like(self.q)
-        grid = S._grid("BLOCK_M", self.n_chunks, CHUNK, HEADS * R)
-        kernel[grid if not meta else grid(meta)](
-            self.q, self.k, self.v, self.do, dq, self.lse, self.delta, self.sel, self.before,
-            *self.cmap, *self.q.stride()[:2], *self.k.stride()[:2], *self.v.stride()[:2],
-            *self.do.stride()[:2], *dq.stride()[:2], self.scale * S.LOG2E, self.scale,
-            self.n_chunks, self.total, HQ=HEADS * R, H=HEADS, R=R, C=CHUNK, DK=DIM, DV=DIM,
-            **meta)
+        self.launch(kernel, "BLOCK_M", meta, (
+            self.k, self.v, S._descriptor(self.q), S._descriptor(self.k), S._descriptor(self.v),
+            S._descriptor(self.do), dq, self.lse, self.delta, self.sel, self.before,
+            *self.cmap, *self.k.stride()[:2], *self.v.stride()[:2], *dq.stride()[:2],
+            self.scale * S.LOG2E, self.scale, self.n_chunks, self.total))
         return (dq,)
 
 
@@ -169,7 +175,6 @@ def sdpa_rows(seq_len: int) -> list[dict]:
 
 def main() -> None:
     out = sys.argv[1] if len(sys.argv) > 1 else "profile_softmax.json"
-    S.use_descriptor_scratch()
     rows: list[dict] = []
 
     def save() -> None:
