@@ -383,24 +383,41 @@ def _attn_bwd_dq(K, V, Q_DESC, K_DESC, V_DESC, DO_DESC, DQ, LSE, DELTA, SEL, BEF
              mask=row_ok[:, None])
 
 
-def _softmax_chunk_list(is_softmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+@triton.jit
+def _chunk_list_kernel(ROUTES, SEL, BEFORE, n_chunks, stride_n, stride_h, H: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """Head ``h``'s softmax chunks in order (row ``h`` of SEL) and its running count of them
+    before every chunk (column ``h`` of BEFORE), from ``routes[..., SOFTMAX]`` directly."""
+    h = tl.program_id(0)
+    tl.store(BEFORE + h, 0)
+    count = tl.sum(tl.zeros([BLOCK], tl.int32), 0)
+    for n0 in range(0, n_chunks, BLOCK):
+        idx = n0 + tl.arange(0, BLOCK)
+        ok = idx < n_chunks
+        route = tl.load(ROUTES + idx.to(tl.int64) * stride_n + h * stride_h, mask=ok, other=0.0)
+        is_sm = (route > 0.5) & ok
+        running = count + tl.cumsum(is_sm.to(tl.int32), 0)
+        tl.store(BEFORE + (idx + 1) * H + h, running, mask=ok)
+        tl.store(SEL + h * n_chunks + running - 1, idx, mask=is_sm)
+        count += tl.sum(is_sm.to(tl.int32), 0)
+
+
+def softmax_chunk_list(routes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Compact list of softmax chunks per head, and how many come before each chunk.
 
-    ``is_softmax`` ``[N, H]`` bool (global chunk order). Returns ``sel`` ``[H, N]`` whose
-    first entries per head are the softmax chunks in order, and ``before`` ``[N+1, H]``
-    (exclusive running count), all int32 and built without a host synchronisation.
+    ``routes`` ``[..., N, H, 2]`` (global chunk order). Returns ``sel`` ``[H, N]`` whose
+    first entries per head are its softmax chunks in order (the rest is never read) and
+    ``before`` ``[N+1, H]`` (exclusive running count), int32, in one launch and without a
+    host synchronisation: short sequences must not pay a chain of small PyTorch ops.
     """
-    n, heads = is_softmax.shape
-    # Scans run along the last dimension, per head: PyTorch scans the outer dimension of an
-    # [N, H] tensor with one thread per column, 0.17 ms on an H100 at N = 1024, and up to
-    # 0.8 ms beside the linear branch's kernels, ahead of every softmax kernel.
-    is_sm = is_softmax.t()
-    count = is_sm.to(torch.int32).cumsum(1, dtype=torch.int32)  # [H, N]
-    before = torch.nn.functional.pad(count, (1, 0)).t().contiguous()
-    slot = torch.where(is_sm, count - 1, n).long()  # non-softmax chunks: spare column
-    ids = torch.arange(n, dtype=torch.int32, device=is_softmax.device).expand(heads, n)
-    sel = torch.zeros(heads, n + 1, dtype=torch.int32, device=is_softmax.device)
-    return sel.scatter_(1, slot, ids)[:, :n].contiguous(), before
+    heads = routes.shape[-2]
+    is_sm = routes.detach().reshape(-1, heads, 2)[..., SOFTMAX]
+    n = is_sm.shape[0]
+    sel = torch.empty(heads, n, dtype=torch.int32, device=routes.device)
+    before = torch.empty(n + 1, heads, dtype=torch.int32, device=routes.device)
+    _chunk_list_kernel[(heads,)](is_sm, sel, before, n, *is_sm.stride(), H=heads,
+                                 BLOCK=min(1024, triton.next_power_of_2(n)))
+    return sel, before
 
 
 def _packed(x: torch.Tensor) -> torch.Tensor:
@@ -428,10 +445,9 @@ class _HybridSoftmaxAttention(torch.autograd.Function):
         batch, seq_len, heads_sm, d_k = q.shape
         d_v = v.shape[-1]
         total_len = batch * seq_len
-        routes_sm = routes.detach().reshape(-1, *routes.shape[2:])[..., SOFTMAX] > 0.5
-        n_chunks, heads = routes_sm.shape
+        sel, before = softmax_chunk_list(routes)
+        heads, n_chunks = sel.shape
         cmap = chunk_map(batch, seq_len, n_chunks, chunk_size, q.device, cu_seqlens)
-        sel, before = _softmax_chunk_list(routes_sm)
         q2, k2, v2 = _packed(q), _packed(k), _packed(v)
         o = empty(total_len, heads_sm, d_v, dtype=v.dtype, device=v.device)
         lse = empty(heads_sm, total_len, dtype=torch.float32, device=q.device)

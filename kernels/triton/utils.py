@@ -6,6 +6,7 @@ to the host, so building a chunk map costs no synchronisation.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -56,17 +57,27 @@ def chunk_map(batch: int, seq_len: int, n_chunks: int, chunk_size: int, device: 
 
     ``n_chunks`` is the total number of chunks (``routes.shape[1]`` times ``batch``).
     """
-    i32 = dict(dtype=torch.int32, device=device)
     if cu_seqlens is None:
-        per_seq = n_chunks // batch
-        steps = torch.arange(batch + 1, **i32)
-        return ChunkMap(steps * seq_len, steps * per_seq,
-                        torch.arange(n_chunks, **i32) // per_seq)
+        return _dense_chunk_map(batch, seq_len, n_chunks, torch.device(device))
+    i32 = dict(dtype=torch.int32, device=device)
     cu = cu_seqlens.to(**i32)
     per_seq = (cu[1:] - cu[:-1] + chunk_size - 1) // chunk_size
     offsets = torch.nn.functional.pad(per_seq.cumsum(0, dtype=torch.int32), (1, 0))
     seq = torch.searchsorted(offsets[1:], torch.arange(n_chunks, **i32), right=True)
     return ChunkMap(cu, offsets, seq.clamp_(max=len(cu) - 2).to(torch.int32))
+
+
+@functools.lru_cache(maxsize=64)
+def _dense_chunk_map(batch: int, seq_len: int, n_chunks: int, device: torch.device) -> ChunkMap:
+    """A dense batch's map depends on its shape only: built once (five small launches that
+    every call of both branches paid before), read-only afterwards. Built outside inference
+    mode, so that training may save the tensors for backward after a generation made them."""
+    i32 = dict(dtype=torch.int32, device=device)
+    with torch.inference_mode(False), torch.no_grad():
+        per_seq = n_chunks // batch
+        steps = torch.arange(batch + 1, **i32)
+        return ChunkMap(steps * seq_len, steps * per_seq,
+                        torch.arange(n_chunks, **i32) // per_seq)
 
 
 def token_chunks(cmap: ChunkMap, total_len: int, chunk_size: int) -> torch.Tensor:

@@ -57,10 +57,9 @@ class Case:
         n = -(-seq_len // CHUNK)
         routes = random_routes(batch, n, HEADS, fraction, torch.device(DEVICE), gen)
         self.routes = routes
-        is_sm = routes.reshape(-1, HEADS, 2)[..., 0] > 0.5
-        self.n_chunks = is_sm.shape[0]
+        self.sel, self.before = S.softmax_chunk_list(routes)
+        self.n_chunks = self.sel.shape[1]
         self.cmap = chunk_map(batch, seq_len, self.n_chunks, CHUNK, torch.device(DEVICE))
-        self.sel, self.before = S._softmax_chunk_list(is_sm)
         self.total = batch * seq_len
         self.scale = DIM**-0.5
         self.flops_fwd = 4 * batch * hq * DIM * self.visible_pairs(seq_len, fraction)

@@ -1,0 +1,65 @@
+"""Where the kernels find chunks: the dense chunk map and the per-head softmax chunk list,
+against obvious Python constructions of the same tables."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nats.kernels import SOFTMAX
+from nats.kernels.triton.softmax_attention import softmax_chunk_list
+from nats.kernels.triton.utils import chunk_map
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("n_chunks", [1, 7, 2500])  # 2500: the kernel's loop runs 3 blocks
+def test_softmax_chunk_list_matches_a_python_walk(n_chunks: int) -> None:
+    gen = torch.Generator().manual_seed(n_chunks)
+    heads = 3
+    is_sm = torch.rand(n_chunks, heads, generator=gen) < 0.3
+    is_sm[:, 1] = False  # a head without softmax chunks
+    # A strided, non-contiguous routes tensor in bf16, as a layer may hand over.
+    routes = torch.zeros(1, n_chunks, heads, 4)
+    routes[..., 2 * SOFTMAX] = is_sm.float()
+    routes[..., 2 * (1 - SOFTMAX)] = (~is_sm).float()
+    routes = routes[..., ::2].to(device=DEVICE, dtype=torch.bfloat16)
+
+    sel, before = softmax_chunk_list(routes)
+
+    assert sel.shape == (heads, n_chunks) and before.shape == (n_chunks + 1, heads)
+    for h in range(heads):
+        chunks = [c for c in range(n_chunks) if is_sm[c, h]]
+        assert sel[h, :len(chunks)].tolist() == chunks
+        running = [0]
+        for c in range(n_chunks):
+            running.append(running[-1] + int(is_sm[c, h]))
+        assert before[:, h].tolist() == running
+
+
+def test_dense_chunk_map_made_during_inference_serves_training() -> None:
+    """The map of a dense batch is cached per shape; one first built while generating
+    (inference mode) must still be savable for backward by a later training step."""
+    with torch.inference_mode():
+        chunk_map(2, 130, 6, 64, torch.device(DEVICE))
+    cmap = chunk_map(2, 130, 6, 64, torch.device(DEVICE))
+    assert not any(t.is_inference() for t in cmap)
+    # Two sequences of 130 tokens, three chunks of 64 each (the last one short).
+    assert cmap.cu_seqlens.tolist() == [0, 130, 260]
+    assert cmap.chunk_offsets.tolist() == [0, 3, 6]
+    assert cmap.chunk_seq.tolist() == [0, 0, 0, 1, 1, 1]
+    x = torch.ones(3, requires_grad=True)
+
+    class SavesMap(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+            ctx.save_for_backward(*cmap)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+            assert len(ctx.saved_tensors) == 3
+            return grad * 2
+
+    SavesMap.apply(x).sum().backward()
+    assert x.grad.tolist() == [2.0, 2.0, 2.0]
