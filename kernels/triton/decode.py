@@ -11,7 +11,8 @@ are the whole cost):
   Programs own disjoint ``[Dk, BV]`` column blocks of a head's state, read whole before
   they are written, so ``out=state`` is safe.
 * :func:`hybrid_attention_decode`: split-K ("flash decoding"). The store is cut into
-  splits of ``SPLIT`` keys, plus one split for the open chunk; each program runs an
+  splits of ``SPLIT`` keys, plus one split for the open chunk if there is one (the plain
+  softmax layer has none); each program runs an
   online softmax over its keys and writes its partial maximum, sum and weighted values;
   a second launch merges the splits. The number of splits follows the store's capacity
   (a shape), not its length (a device value), so the launches are the same every step.
@@ -165,11 +166,10 @@ def hybrid_attention_decode(q: torch.Tensor, store_k: torch.Tensor, store_v: tor
     own = chunk_k is not None
     if own:
         chunk_k, chunk_v = chunk_k.contiguous(), chunk_v.contiguous()
-    else:  # no open chunk: its split reads nothing (length 0)
-        chunk_k, chunk_v = store_k, store_v
-        chunk_len = torch.zeros(1, dtype=torch.int32, device=q.device)
+    else:  # no open chunk and no split for it: the store's tensors stand in, never read
+        chunk_k, chunk_v, chunk_len = store_k, store_v, store_len
     n_store = triton.cdiv(capacity, SPLIT)
-    n_splits = n_store + 1
+    n_splits = n_store + own
     dev = q.device
     m = empty(batch * hq, n_splits, dtype=torch.float32, device=dev)
     lse = empty(batch * hq, n_splits, dtype=torch.float32, device=dev)
