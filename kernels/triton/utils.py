@@ -1,12 +1,12 @@
 """Helpers shared by the Triton kernels: interpreter detection, launch configs, chunk maps.
 
 Everything here runs as torch ops on the tensors' device and never reads a value back
-to the host, so building a chunk map costs no synchronisation.
+to the host. The one synchronisation is the first map of each dense batch shape, which is
+cached (:func:`_dense_chunk_map`).
 """
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import NamedTuple
 
@@ -67,17 +67,34 @@ def chunk_map(batch: int, seq_len: int, n_chunks: int, chunk_size: int, device: 
     return ChunkMap(cu, offsets, seq.clamp_(max=len(cu) - 2).to(torch.int32))
 
 
-@functools.lru_cache(maxsize=64)
+_DENSE_MAPS: dict[tuple[int, int, int, torch.device], ChunkMap] = {}
+
+
 def _dense_chunk_map(batch: int, seq_len: int, n_chunks: int, device: torch.device) -> ChunkMap:
     """A dense batch's map depends on its shape only: built once (five small launches that
-    every call of both branches paid before), read-only afterwards. Built outside inference
-    mode, so that training may save the tensors for backward after a generation made them."""
+    every call of both branches paid before), read-only afterwards.
+
+    The two branches of a layer run on two CUDA streams and share the map, so a new one is
+    waited for (one device synchronisation per new shape) before any stream may read it;
+    one made while a CUDA graph is captured lives in the graph's memory and is not kept.
+    Maps are a few hundred bytes and kept for the process (dropping one could free memory
+    a kernel on the other stream still reads). Built outside inference mode, so that
+    training may save the tensors for backward after a generation made them.
+    """
+    key = (batch, seq_len, n_chunks, device)
+    if key in _DENSE_MAPS:
+        return _DENSE_MAPS[key]
     i32 = dict(dtype=torch.int32, device=device)
     with torch.inference_mode(False), torch.no_grad():
         per_seq = n_chunks // batch
         steps = torch.arange(batch + 1, **i32)
-        return ChunkMap(steps * seq_len, steps * per_seq,
-                        torch.arange(n_chunks, **i32) // per_seq)
+        cmap = ChunkMap(steps * seq_len, steps * per_seq, torch.arange(n_chunks, **i32) // per_seq)
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return cmap
+        torch.cuda.synchronize(device)
+    _DENSE_MAPS[key] = cmap
+    return cmap
 
 
 def token_chunks(cmap: ChunkMap, total_len: int, chunk_size: int) -> torch.Tensor:

@@ -63,3 +63,32 @@ def test_dense_chunk_map_made_during_inference_serves_training() -> None:
 
     SavesMap.apply(x).sum().backward()
     assert x.grad.tolist() == [2.0, 2.0, 2.0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (two streams)")
+def test_new_dense_chunk_map_is_ready_for_another_stream() -> None:
+    """The layer's branches share one cached map from two streams: a map first made on a
+    busy side stream must hold its values when the main stream reads it at once."""
+    device = torch.device("cuda")
+    # Every kernel involved loaded first: loading a CUDA module on first use can
+    # synchronise the device, which would hide the race this test looks for.
+    for t in chunk_map(3, 1000, 48, 64, device):
+        t.clone()
+    torch.cuda.synchronize(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        # Freed blocks of the map's sizes, full of -1, for its tensors to land in: a read
+        # before the map's kernels ran would see them.
+        poison = [torch.full((n,), -1, dtype=torch.int32, device=device)
+                  for n in (4, 4, 4, 4, 51, 51)]
+        del poison
+        torch.cuda._sleep(100_000_000)  # tens of milliseconds before the map is made
+        cmap = chunk_map(3, 1070, 51, 64, device)  # a shape no other test uses
+    seen = [t.clone() for t in cmap]  # on the main stream, which does not wait for side
+    torch.cuda.synchronize(device)
+    # Three sequences of 1070 tokens, 17 chunks of 64 each (the last one short).
+    assert seen[0].tolist() == [0, 1070, 2140, 3210]
+    assert seen[1].tolist() == [0, 17, 34, 51]
+    assert seen[2].tolist() == [c // 17 for c in range(51)]
