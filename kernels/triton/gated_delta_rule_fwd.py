@@ -185,25 +185,27 @@ def _wy_kernel(k, v, g, beta, gc, a, w, u, cu, chunk_offsets, chunk_seq,
     k_1 = load_rows(k, t_1, m_1, i_h, H, K, o_k)
     k_2 = load_rows(k, t_2, m_2, i_h, H, K, o_k)
     k_3 = load_rows(k, t_3, m_3, i_h, H, K, o_k)
-    a_00 = inv_unit_lower(l_block(k_0, k_0, be_0, gc_0, gc_0, o_c, True, PREC), o_c,
-                          INV)
-    a_11 = inv_unit_lower(l_block(k_1, k_1, be_1, gc_1, gc_1, o_c, True, PREC), o_c,
-                          INV)
-    a_22 = inv_unit_lower(l_block(k_2, k_2, be_2, gc_2, gc_2, o_c, True, PREC), o_c,
-                          INV)
-    a_33 = inv_unit_lower(l_block(k_3, k_3, be_3, gc_3, gc_3, o_c, True, PREC), o_c,
-                          INV)
+    # Every block of L first, so that the key blocks are dead before the inverse (live
+    # across it, they spilled hundreds of bytes a thread).
+    d_0 = l_block(k_0, k_0, be_0, gc_0, gc_0, o_c, True, PREC)
+    d_1 = l_block(k_1, k_1, be_1, gc_1, gc_1, o_c, True, PREC)
+    d_2 = l_block(k_2, k_2, be_2, gc_2, gc_2, o_c, True, PREC)
+    d_3 = l_block(k_3, k_3, be_3, gc_3, gc_3, o_c, True, PREC)
     l_10 = l_block(k_1, k_0, be_1, gc_1, gc_0, o_c, False, PREC)
     l_21 = l_block(k_2, k_1, be_2, gc_2, gc_1, o_c, False, PREC)
     l_32 = l_block(k_3, k_2, be_3, gc_3, gc_2, o_c, False, PREC)
+    l_20 = l_block(k_2, k_0, be_2, gc_2, gc_0, o_c, False, PREC)
+    l_31 = l_block(k_3, k_1, be_3, gc_3, gc_1, o_c, False, PREC)
+    l_30 = l_block(k_3, k_0, be_3, gc_3, gc_0, o_c, False, PREC)
+    a_00 = inv_unit_lower(d_0, o_c, INV)
+    a_11 = inv_unit_lower(d_1, o_c, INV)
+    a_22 = inv_unit_lower(d_2, o_c, INV)
+    a_33 = inv_unit_lower(d_3, o_c, INV)
     a_10 = -mm(mm(a_11, l_10, INV), a_00, INV)
     a_21 = -mm(mm(a_22, l_21, INV), a_11, INV)
     a_32 = -mm(mm(a_33, l_32, INV), a_22, INV)
-    l_20 = l_block(k_2, k_0, be_2, gc_2, gc_0, o_c, False, PREC)
-    l_31 = l_block(k_3, k_1, be_3, gc_3, gc_1, o_c, False, PREC)
     a_20 = -mm(a_22, mm(l_20, a_00, INV) + mm(l_21, a_10, INV), INV)
     a_31 = -mm(a_33, mm(l_31, a_11, INV) + mm(l_32, a_21, INV), INV)
-    l_30 = l_block(k_3, k_0, be_3, gc_3, gc_0, o_c, False, PREC)
     a_30 = -mm(a_33, mm(l_30, a_00, INV) + mm(l_31, a_10, INV) + mm(l_32, a_20, INV),
                INV)
     zero = tl.zeros([16, 16], dtype=tl.float32)
