@@ -20,14 +20,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..reference.chunks import ROUTE_GRADS, SOFTMAX, RouteGrad, check_chunk_size, check_routes
-from .utils import (
-    ChunkMap,
-    autotune_configs,
-    check_varlen,
-    chunk_map,
-    empty,
-    token_chunks,
-)
+from .utils import autotune_configs, check_varlen, chunk_map, empty
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (16, 32, 64, 128)
@@ -267,11 +260,13 @@ def _bwd_kv_block(k, v, dk, dv, dz, q_desc, do_desc, hq, q0, lse_ptr, delta_ptr,
 def _attn_bwd_dkdv(K, V, Q_DESC, DO_DESC, DK_, DV_, DZ, LSE, DELTA, BEFORE, CU_SEQLENS,
                    CHUNK_OFFSETS, CHUNK_SEQ, stride_kt, stride_kh, stride_vt,
                    stride_vh, stride_dkt, stride_dkh, stride_dvt,
-                   stride_dvh, qk_scale, sm_scale, total_len,
+                   stride_dvh, stride_zh, qk_scale, sm_scale, total_len,
                    H: tl.constexpr, R: tl.constexpr, C: tl.constexpr,
                    DK: tl.constexpr, DV: tl.constexpr, ROUTE_GRAD: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dk, dv of a key tile; per key, its score gradients summed over later chunks (DZ)."""
+                   DZ_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dk, dv of a key tile, and its share of the route gradient: the score gradients of
+    its keys summed over later chunks, in slot ``tile % (C // TN)`` of its chunk's
+    ``DZ_SLOTS`` (``DZ`` is ``[heads, chunks, DZ_SLOTS]``, zeroed)."""
     TN: tl.constexpr = BLOCK_N if BLOCK_N < C else C
     hq = tl.program_id(1)
     h = hq // R
@@ -320,7 +315,10 @@ def _attn_bwd_dkdv(K, V, Q_DESC, DO_DESC, DK_, DV_, DZ, LSE, DELTA, BEFORE, CU_S
              mask=col_ok[:, None])
     tl.store(DV_ + hq * stride_dvh + dv_offs, dv.to(DV_.dtype.element_ty), mask=col_ok[:, None])
     if ROUTE_GRAD > 0:
-        tl.store(DZ + hq * total_len + cols, tl.sum(dz, 0), mask=col_ok)
+        # (A tile with keys past the sequence's end is in its last chunk: no later queries,
+        # so nothing was added for them.)
+        tile_dz = tl.sum(tl.sum(dz, 1), 0)
+        tl.store(DZ + hq * stride_zh + g * DZ_SLOTS + tl.program_id(0) % (C // TN), tile_dz)
 
 
 @triton.jit
@@ -474,7 +472,10 @@ class _HybridSoftmaxAttention(torch.autograd.Function):
         dq = empty(total_len, heads_sm, d_k, dtype=q.dtype, device=dev)
         dk = empty(total_len, heads_sm, d_k, dtype=k.dtype, device=dev)
         dv = empty(total_len, heads_sm, d_v, dtype=v.dtype, device=dev)
-        dz = empty(heads_sm, total_len if code else 1, dtype=torch.float32, device=dev)
+        # Key tiles are at least 16 wide, so a chunk has at most C / 16 of them.
+        slots = max(chunk_size // 16, 1)
+        dz = torch.zeros(heads_sm, n_chunks if code else 1, slots, dtype=torch.float32,
+                         device=dev)
         block = 64
         _bwd_preprocess[(triton.cdiv(total_len, block), heads_sm)](
             o, do, delta, *o.stride()[:2], *do.stride()[:2], total_len, DV=d_v, BLOCK=block)
@@ -482,18 +483,17 @@ class _HybridSoftmaxAttention(torch.autograd.Function):
         q_desc, do_desc = _descriptor(q), _descriptor(do)
         _attn_bwd_dkdv[_grid("BLOCK_N", n_chunks, chunk_size, heads_sm)](
             k, v, q_desc, do_desc, dk, dv, dz, lse, delta, before, *cmap,
-            *k.stride()[:2], *v.stride()[:2], *dk.stride()[:2], *dv.stride()[:2],
-            scale * LOG2E, scale, total_len, ROUTE_GRAD=code, **shapes)
+            *k.stride()[:2], *v.stride()[:2], *dk.stride()[:2], *dv.stride()[:2], dz.stride(0),
+            scale * LOG2E, scale, total_len, ROUTE_GRAD=code, DZ_SLOTS=slots, **shapes)
         _attn_bwd_dq[_grid("BLOCK_M", n_chunks, chunk_size, heads_sm)](
             k, v, q_desc, _descriptor(k), _descriptor(v), do_desc, dq, lse, delta, sel, before,
             *cmap, *k.stride()[:2], *v.stride()[:2], *dq.stride()[:2], scale * LOG2E, scale,
             n_chunks, total_len, **shapes)
         d_routes = None
         if code:
-            chunk_of = token_chunks(ChunkMap(*cmap), total_len, chunk_size)
-            dz = dz.new_zeros(heads_sm, n_chunks).index_add_(1, chunk_of, dz)
-            dz = dz.view(heads, heads_sm // heads, n_chunks).sum(1).t()
-            d_routes = torch.stack([dz, torch.zeros_like(dz)], -1).to(routes_dtype)
+            per_head = dz.view(heads, heads_sm // heads, n_chunks, slots).sum((1, 3))
+            d_routes = torch.zeros(n_chunks, heads, 2, dtype=routes_dtype, device=dev)
+            d_routes[..., SOFTMAX] = per_head.t()
             d_routes = d_routes.view(routes_shape)
         return (dq.view(q_shape), dk.view(q_shape), dv.view(v_shape), d_routes,
                 None, None, None, None)

@@ -97,13 +97,6 @@ def _dense_chunk_map(batch: int, seq_len: int, n_chunks: int, device: torch.devi
     return cmap
 
 
-def token_chunks(cmap: ChunkMap, total_len: int, chunk_size: int) -> torch.Tensor:
-    """Global chunk index of every token of the packed batch, ``[T_total]`` int64."""
-    tokens = torch.arange(total_len, dtype=torch.int32, device=cmap.cu_seqlens.device)
-    seq = torch.searchsorted(cmap.cu_seqlens[1:], tokens, right=True)
-    return (cmap.chunk_offsets[seq] + (tokens - cmap.cu_seqlens[seq]) // chunk_size).long()
-
-
 def check_varlen(cu_seqlens: torch.Tensor, batch: int, total_len: int, n_chunks: int,
                  chunk_size: int) -> None:
     """Shape checks on packed sequences that need no look at their values (no host sync)."""

@@ -99,12 +99,13 @@ class Case:
 
     def dkdv(self, kernel, meta: dict):
         dk, dv = torch.empty_like(self.k), torch.empty_like(self.v)
-        dz = torch.empty(HEADS * R, self.total, device=DEVICE)
+        slots = max(CHUNK // 16, 1)
+        dz = torch.zeros(HEADS * R, self.n_chunks, slots, device=DEVICE)
         self.launch(kernel, "BLOCK_N", meta, (
             self.k, self.v, S._descriptor(self.q), S._descriptor(self.do), dk, dv, dz,
             self.lse, self.delta, self.before, *self.cmap, *self.k.stride()[:2],
-            *self.v.stride()[:2], *dk.stride()[:2], *dv.stride()[:2],
-            self.scale * S.LOG2E, self.scale, self.total), ROUTE_GRAD=1)
+            *self.v.stride()[:2], *dk.stride()[:2], *dv.stride()[:2], dz.stride(0),
+            self.scale * S.LOG2E, self.scale, self.total), ROUTE_GRAD=1, DZ_SLOTS=slots)
         return dk, dv, dz
 
     def dq(self, kernel, meta: dict):
