@@ -172,14 +172,14 @@ def hybrid_attention_decode(q: torch.Tensor, store_k: torch.Tensor, store_v: tor
     n_splits = n_store + own
     dev = q.device
     m = empty(batch * hq, n_splits, dtype=torch.float32, device=dev)
-    lse = empty(batch * hq, n_splits, dtype=torch.float32, device=dev)
+    total = empty(batch * hq, n_splits, dtype=torch.float32, device=dev)
     acc = empty(batch * hq, n_splits, d_v, dtype=torch.float32, device=dev)
     _attn_partial_kernel[(batch * hq, n_splits)](
         q.contiguous(), store_k, store_v, store_len.contiguous(), chunk_k, chunk_v, chunk_len,
-        m, lse, acc, scale * LOG2E, n_splits, n_store, capacity, HQ=hq, H=heads, R=r, D=d_k,
+        m, total, acc, scale * LOG2E, n_splits, n_store, capacity, HQ=hq, H=heads, R=r, D=d_k,
         DV=d_v, BD=triton.next_power_of_2(d_k), BDV=triton.next_power_of_2(d_v),
         C_OWN=chunk_k.shape[2] if own else 0, SPLIT=SPLIT, BLOCK_N=BLOCK_N)
     out = empty(batch, hq, d_v, dtype=store_v.dtype, device=dev)
-    _attn_combine_kernel[(batch * hq,)](m, lse, acc, out, n_splits, DV=d_v,
+    _attn_combine_kernel[(batch * hq,)](m, total, acc, out, n_splits, DV=d_v,
                                         BDV=triton.next_power_of_2(d_v), BS=64)
     return out

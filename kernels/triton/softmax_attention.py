@@ -427,6 +427,12 @@ def _packed(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 and aligned else x.contiguous()
 
 
+def _dz_slots(chunk_size: int) -> int:
+    """Route-gradient slots per chunk in the dk/dv kernel's ``DZ``: one per key tile, and
+    key tiles are at least 16 wide."""
+    return max(chunk_size // 16, 1)
+
+
 def _grid(block: str, n_chunks: int, chunk_size: int, heads_sm: int):
     """Launch grid: per head, one program per tile of ``block`` tokens, or per chunk where
     tiles are wider than a chunk (see :func:`_locate_tile`)."""
@@ -472,10 +478,11 @@ class _HybridSoftmaxAttention(torch.autograd.Function):
         dq = empty(total_len, heads_sm, d_k, dtype=q.dtype, device=dev)
         dk = empty(total_len, heads_sm, d_k, dtype=k.dtype, device=dev)
         dv = empty(total_len, heads_sm, d_v, dtype=v.dtype, device=dev)
-        # Key tiles are at least 16 wide, so a chunk has at most C / 16 of them.
-        slots = max(chunk_size // 16, 1)
-        dz = torch.zeros(heads_sm, n_chunks if code else 1, slots, dtype=torch.float32,
-                         device=dev)
+        slots = _dz_slots(chunk_size)
+        # Zeroed, as tiles past a sequence's end and unused slots are never written; without
+        # a route gradient a stand-in the kernel never reads.
+        dz = (torch.zeros(heads_sm, n_chunks, slots, dtype=torch.float32, device=dev) if code
+              else torch.empty(1, dtype=torch.float32, device=dev))
         block = 64
         _bwd_preprocess[(triton.cdiv(total_len, block), heads_sm)](
             o, do, delta, *o.stride()[:2], *do.stride()[:2], total_len, DV=d_v, BLOCK=block)

@@ -99,7 +99,7 @@ class Case:
 
     def dkdv(self, kernel, meta: dict):
         dk, dv = torch.empty_like(self.k), torch.empty_like(self.v)
-        slots = max(CHUNK // 16, 1)
+        slots = S._dz_slots(CHUNK)
         dz = torch.zeros(HEADS * R, self.n_chunks, slots, device=DEVICE)
         self.launch(kernel, "BLOCK_N", meta, (
             self.k, self.v, S._descriptor(self.q), S._descriptor(self.do), dk, dv, dz,
