@@ -90,23 +90,34 @@ def store_rows(ptr, x, o_t, m_t, i_h, H, D: tl.constexpr, o_d):
 
 @triton.jit
 def causal_decay(b_gc, o_i, GAP: tl.constexpr):
-    """``exp(gc_t - gc_s)`` where ``t - s >= GAP`` (0: causal, 1: strictly lower), else 0."""
+    """``exp(gc_t - gc_s)`` where ``t - s >= GAP`` (0: causal, 1: strictly lower), else 0.
+
+    The exponent is capped at 0, which it never exceeds for real tokens (log gates are
+    <= 0). Rows past a sequence's end load ``gc = 0``: uncapped, ``exp(0 - gc_s)`` was inf
+    once the chunk's decay passed ``e^-88``, and inf times their zero inputs made NaN that
+    the column sums of the backward spread to every token."""
     m = o_i[:, None] - o_i[None, :] >= GAP
-    return tl.where(m, tl.exp(tl.where(m, b_gc[:, None] - b_gc[None, :], 0.0)), 0.0)
+    return tl.where(m, tl.exp(tl.minimum(tl.where(m, b_gc[:, None] - b_gc[None, :], 0.0),
+                                         0.0)), 0.0)
 
 
 @triton.jit
-def inv_unit_lower(b_l, o_c, INV: tl.constexpr):
+def inv_unit_lower(b_l, o_c):
     """``(I + L)^{-1}`` of a strictly lower 16 x 16 ``L``: ``(I - L)(I + L^2)(I + L^4)(I + L^8)``
-    (``L^16 = 0``), six small float32 products instead of a 16-step substitution."""
+    (``L^16 = 0``), six small float32 products instead of a 16-step substitution.
+
+    Always exact float32 products: entries of ``L^8`` reach thousands when keys are nearly
+    parallel and ``beta`` near 1 and must cancel to values <= 1, which tf32's 10-bit
+    mantissa cannot do; the wrong inverse let the state grow without bound in bf16
+    training (NaN after a few hundred steps)."""
     eye = (o_c[:, None] == o_c[None, :]).to(tl.float32)
     b_p = eye - b_l
-    b_l = mm(b_l, b_l, INV)
-    b_p = mm(b_p, eye + b_l, INV)
-    b_l = mm(b_l, b_l, INV)
-    b_p = mm(b_p, eye + b_l, INV)
-    b_l = mm(b_l, b_l, INV)
-    return mm(b_p, eye + b_l, INV)
+    b_l = mm(b_l, b_l, "ieee")
+    b_p = mm(b_p, eye + b_l, "ieee")
+    b_l = mm(b_l, b_l, "ieee")
+    b_p = mm(b_p, eye + b_l, "ieee")
+    b_l = mm(b_l, b_l, "ieee")
+    return mm(b_p, eye + b_l, "ieee")
 
 
 @triton.jit
@@ -197,10 +208,10 @@ def _wy_kernel(k, v, g, beta, gc, a, w, u, cu, chunk_offsets, chunk_seq,
     l_20 = l_block(k_2, k_0, be_2, gc_2, gc_0, o_c, False, PREC)
     l_31 = l_block(k_3, k_1, be_3, gc_3, gc_1, o_c, False, PREC)
     l_30 = l_block(k_3, k_0, be_3, gc_3, gc_0, o_c, False, PREC)
-    a_00 = inv_unit_lower(d_0, o_c, INV)
-    a_11 = inv_unit_lower(d_1, o_c, INV)
-    a_22 = inv_unit_lower(d_2, o_c, INV)
-    a_33 = inv_unit_lower(d_3, o_c, INV)
+    a_00 = inv_unit_lower(d_0, o_c)
+    a_11 = inv_unit_lower(d_1, o_c)
+    a_22 = inv_unit_lower(d_2, o_c)
+    a_33 = inv_unit_lower(d_3, o_c)
     a_10 = -mm(mm(a_11, l_10, INV), a_00, INV)
     a_21 = -mm(mm(a_22, l_21, INV), a_11, INV)
     a_32 = -mm(mm(a_33, l_32, INV), a_22, INV)
@@ -397,8 +408,9 @@ def a_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 TF32_INVERSE = True
-"""Form the blocked WY inverse of half-precision inputs with tf32 tensor-core products
-(float32 inputs always take exact ones)."""
+"""Merge the blocked WY inverse of half-precision inputs with tf32 tensor-core products
+(float32 inputs always take exact ones; the 16 x 16 diagonal inverses always do, see
+:func:`inv_unit_lower`)."""
 
 
 def inverse_precision(dtype: torch.dtype) -> str:

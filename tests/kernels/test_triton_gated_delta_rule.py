@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from nats.kernels import LINEAR, SOFTMAX, hybrid_gated_delta_rule, num_chunks
 from nats.kernels import reference as ref
@@ -127,6 +128,18 @@ def test_varlen_matches_reference_interpreted(lengths: tuple[int, ...], chunk: i
     compare(x, routes, chunk, dtype, route_grad, True, True, 5e-3, 8e-3, cu, backend_op)
 
 
+@pytest.mark.parametrize(("seq_len", "chunk"), [(40, 16), (100, 32)])
+def test_strong_decay_in_a_partial_last_chunk_stays_finite(seq_len: int, chunk: int) -> None:
+    """A sequence ending inside a kernel chunk whose log gates sum below -88 there: rows
+    past the end read ``gc = 0``, and an uncapped ``exp(0 - gc_s)`` was inf, whose product
+    with their zero inputs made the backward NaN for every token."""
+    x = gdr_inputs(1, seq_len, 2, 16, 16, dtype=torch.float32, seed=seq_len)
+    x["g"][:, seq_len // chunk * chunk:] = -25.0  # the tail's 4 or 8 tokens: -100, -200
+    routes = make_routes(1, seq_len, chunk, 2, "random", dtype=torch.float32, seed=1)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    compare(x, routes, chunk, dtype, "both", True, True, 1e-2 if CUDA else 5e-3, 1e-2)
+
+
 def test_reference_varlen_is_per_sequence() -> None:
     """The packed reference equals the dense one run on every sequence alone."""
     lengths, chunk, heads = (9, 20), 16, 2
@@ -202,6 +215,25 @@ def test_bf16_varlen_matches_reference_on_gpu(chunk: int) -> None:
     routes = routes_with_softmax_fraction(1, n_total, heads, 0.25)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE)
     compare(x, routes, chunk, torch.bfloat16, "selected", True, True, 1e-2, 1e-2, cu)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_bf16_nearly_parallel_keys_on_gpu() -> None:
+    """Keys within a few degrees of one another, beta near 1 and almost no decay: the WY
+    matrix is then ill-conditioned, and its 16 x 16 diagonal inverses taken with tf32
+    products were wrong by O(1), which let the state grow without bound over chunks (the
+    cause of bf16 training runs going to NaN). Exact diagonal inverses keep it at the
+    reference's."""
+    batch, seq_len, heads, d = 2, 2048, 4, 128
+    x = gdr_inputs(batch, seq_len, heads, d, d, dtype=torch.float32, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    base = torch.randn(1, 1, heads, d, generator=gen)
+    x["k"] = F.normalize(base + 0.1 * torch.randn(batch, seq_len, heads, d, generator=gen), dim=-1)
+    x["beta"] = torch.sigmoid(4 + 0.5 * torch.randn(batch, seq_len, heads, generator=gen))
+    x["g"] = torch.full((batch, seq_len, heads), -1e-3)
+    routes = routes_with_softmax_fraction(batch, num_chunks(seq_len, 64), heads, 0.25)
+    compare(x, routes, 64, torch.bfloat16, "both", True, True, 2e-2, 3e-2)
 
 
 @pytest.mark.gpu

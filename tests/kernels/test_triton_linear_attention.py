@@ -92,6 +92,15 @@ def inputs(op: str, batch: int, seq_len: int, heads: int, d_k: int, d_v: int, se
     return make(batch, seq_len, heads, d_k, d_v, dtype=torch.float32, seed=seed)
 
 
+def test_strong_decay_in_a_partial_last_chunk_stays_finite() -> None:
+    """See the gated delta rule's test of the same name: the shared decay mask."""
+    x = inputs("gla", 1, 40, 2, 16, 16, seed=2)
+    x["g"][:, 32:] = -25.0  # the tail's 8 tokens sum to -200
+    routes = make_routes(1, 40, 16, 2, "random", dtype=torch.float32, seed=3)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    compare("gla", x, routes, 16, dtype, "both", True, True, 1e-2 if CUDA else 5e-3, 1e-2)
+
+
 CPU_CASES = [
     # op, batch, T, Dk, Dv, chunk, routes, dtype, route_grad, initial state, final state
     ("gla", 2, 37, 16, 16, 16, "random", torch.float32, "selected", True, True),
