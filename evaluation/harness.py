@@ -94,7 +94,8 @@ def evaluate_slice(model: NatsForCausalLM, config: TrainConfig, batches: int,
         model(data[0][0][:1].to(device))
     memory = _Memory(device)
     start = time.perf_counter()
-    result = evaluate(model, data, device, autocast, source.bytes_per_token)
+    relevant = getattr(config.synthetic_task(), "relevant_positions", None)
+    result = evaluate(model, data, device, autocast, source.bytes_per_token, relevant)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
@@ -118,6 +119,9 @@ def evaluate_slice(model: NatsForCausalLM, config: TrainConfig, batches: int,
         "metrics": m}
     if "eval/bpb" in m:
         out["bits_per_byte"] = m["eval/bpb"]
+    if "eval/route_informative" in m:  # the task knows which chunks hold the answers
+        out["routing"] = {k.removeprefix("eval/"): v for k, v in m.items()
+                          if k.startswith("eval/route_")}
     return out
 
 
@@ -175,8 +179,11 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     for s in report["slices"]:
         quality = (f"bpb {s['bits_per_byte']:.3f}" if "bits_per_byte" in s
                    else f"acc {s['accuracy']:.3f} seq_acc {s['sequence_accuracy']:.3f}")
+        routing = s.get("routing", {})
+        precision = (f", informative chunks to softmax {routing['route_informative']:.2f} vs "
+                     f"filler {routing['route_filler']:.2f}" if routing else "")
         lines.append(f"  {s['name']}: {quality}, softmax fraction {s['softmax_fraction']:.3f}"
-                     f", {s['tokens_per_second']:,.0f} tok/s ({s['length']})")
+                     f"{precision}, {s['tokens_per_second']:,.0f} tok/s ({s['length']})")
     for p in report["prefill"]:
         lines.append(f"  prefill {p['seq_len']} tokens: {1000 * p['seconds']:.2f} ms")
     return lines

@@ -32,6 +32,11 @@ from nats.trainers import TrainConfig, resolve_device, train
 from nats.trainers.config import ARCHITECTURES, with_architecture
 
 PREFILL_LEN = 4096
+OFFICIAL = ":official"
+ARCH_CHOICES = (*ARCHITECTURES, *(f"{a}{OFFICIAL}" for a in ("natsl", "natsl-all")))
+"""Grid rows: an architecture (``nats train --arch``), or a NAtS-L one with ``:official``,
+its NAtS-L layers trained with the official layer's recipe (``NatsConfig.official_recipe``)
+instead of the defaults."""
 """Batch-1 prefill timed on a GPU (CPU timings would say nothing about the kernels)."""
 
 
@@ -46,13 +51,19 @@ def parse_args(description: str, scales: dict[str, dict[str, Any]],
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--max-minutes", type=float, default=None,
                    help="stop starting new runs after this long (default: the scale's)")
-    p.add_argument("--archs", nargs="+", choices=ARCHITECTURES, default=list(ARCHITECTURES))
+    p.add_argument("--archs", nargs="+", choices=ARCH_CHOICES, default=list(ARCHITECTURES))
     p.add_argument("--out", type=Path, default=None, help="results folder")
+    p.add_argument("--seeds", nargs="+", type=int, default=None,
+                   help="seeds to train (default: the scale's)")
+    p.add_argument("--no-prefill", action="store_true",
+                   help="do not time prefill after training (its column says 'not timed')")
     p.add_argument("--jobs", type=_positive_int, default=1,
                    help="grid cells trained at once, each in its own process (one run of "
                         "these tiny models leaves a GPU mostly idle)")
     args = p.parse_args()
     scale = scales[args.scale]
+    if args.seeds:
+        scale = {**scale, "seeds": tuple(args.seeds)}
     if args.max_minutes is None:
         args.max_minutes = scale["minutes"]
     return args, scale
@@ -92,7 +103,7 @@ def train_and_eval(config: TrainConfig, arch: str, slices: Sequence[TrainConfig]
     instead of reading back a half-trained model.
     """
     with _console_to(console):
-        config = with_architecture(config, arch).replace(device=str(device))
+        config = with_row(config, arch).replace(device=str(device))
         started = time.monotonic()
         result = train(config, resume=True)
         train_seconds = time.monotonic() - started
@@ -107,6 +118,13 @@ def train_and_eval(config: TrainConfig, arch: str, slices: Sequence[TrainConfig]
                   final_train_loss=result.train_losses[-1] if result.train_losses else None)
     _write_report(out, report)
     return report
+
+
+def with_row(config: TrainConfig, arch: str) -> TrainConfig:
+    """``config`` with grid row ``arch``'s mixers (and recipe, see ``ARCH_CHOICES``)."""
+    name, _, recipe = arch.partition(":")
+    config = with_architecture(config, name)
+    return config.replace(model=config.model.official_recipe()) if recipe else config
 
 
 @contextlib.contextmanager
@@ -172,7 +190,7 @@ def run_grid(name: str, args: argparse.Namespace, base: TrainConfig, lrs: Sequen
     out = args.out or Path("runs/experiments") / f"{name}-{args.scale}"
     out.mkdir(parents=True, exist_ok=True)
     budget = Budget(args.max_minutes)
-    cells = [(f"{arch}-lr{lr:g}-seed{seed}", arch, lr, seed)
+    cells = [(f"{arch.replace(':', '_')}-lr{lr:g}-seed{seed}", arch, lr, seed)
              for seed in seeds for arch in args.archs for lr in lrs]
     reports: dict[str, dict[str, Any]] = {}
     skipped: list[str] = []
@@ -212,7 +230,7 @@ def run_grid(name: str, args: argparse.Namespace, base: TrainConfig, lrs: Sequen
         collect(wait(running).done)
     order = [tag for tag, *_ in cells]
     ordered = [reports[tag] for tag in order if tag in reports]
-    if device.type == "cuda":
+    if device.type == "cuda" and not args.no_prefill:
         # A report read back without its run folder (copied off another machine) keeps no
         # prefill: its table cell says n/a instead of the whole grid failing.
         for tag in tqdm([t for t in order if t in reports and not reports[t].get("prefill")

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from nats.kernels.reference.chunks import CHUNK_SIZES
+from nats.kernels.reference.chunks import CHUNK_SIZES, ROUTE_GRADS
 
 LAYER_TYPES = ("nats", "gdn", "softmax")
 """A "gdn" layer is the plain linear layer; its operator is ``linear_op`` (the type keeps
@@ -24,6 +24,14 @@ LINEAR_OP_NAMES = {"gated_deltanet": "Gated DeltaNet", "deltanet": "DeltaNet",
 """How documents name each ``linear_op``."""
 """Operators of the linear branch of NAtS-L layers and of plain linear layers."""
 SAMPLERS = ("argmax", "gumbel")
+OUTPUT_GATES = ("silu", "none")
+"""``silu``: the output is multiplied by ``SiLU(W_g x)`` (fla, the official NAtS-L layer);
+``none``: no output gate (Zoology's MQAR recipe for Gated DeltaNet)."""
+SCORER_INITS = ("normal", "zero")
+"""``normal``: the scorer's weight drawn like every other (the official layer); ``zero``:
+every chunk starts undecided, so no early content-blind preference is baked in."""
+BUDGET_SCOPES = ("layer", "model")
+"""What ``softmax_target`` holds to: each NAtS-L layer's softmax fraction, or their mean."""
 LAYER_LISTS = {"softmax_layers": "softmax", "linear_layers": "gdn", "hybrid_layers": "nats"}
 """Keys of the layer-index lists that ``to_dict`` derives from ``layer_types``, so that a
 reader that knows no NAtS-L finds the softmax layers as a plain list of indices."""
@@ -55,6 +63,26 @@ class NatsConfig:
     sampler: str = "argmax"
     gumbel_tau: float = 1.0
     reg_lambda: float = 0.0
+    route_grad: str = "both"
+    """Route gradient of the straight-through estimator: ``both`` (each chunk compares the
+    two options, so a chunk sent to linear can learn that softmax would have helped; the
+    softmax backward then scores every earlier chunk, about the cost of full attention's
+    backward) or ``selected`` (the official layer's: only the chosen option's, and routes
+    only ratchet one way; with it, concentrated recall was not learned, docs/RESULTS.md)."""
+    scorer_norm: bool = True
+    """Centre and scale the pooled chunk input per feature by running statistics over
+    chunks before the scorer, so its logits compare chunks rather than move with what they
+    all share (see ``ChunkScorer``)."""
+    scorer_init: str = "zero"
+    softmax_target: float | None = 0.25
+    """A budget: the share of routable chunks (all but a sequence's last, whose route no
+    query sees) to send to softmax, on average over the training data (a content-based
+    router sends more where more chunks matter). The scorer's scores are standardised and a
+    per-layer bias, moved by the trainer toward the target, sets the threshold, so the
+    scorer only ranks chunks (``BudgetedScores``). ``None``: no budget, routes are free
+    (then ``reg_lambda`` is the only price of softmax)."""
+    budget_scope: str = "layer"
+    output_gate: str = "none"
     mlp_ratio: float = 4.0
     norm_eps: float = 1e-6
     conv_size: int = 4
@@ -81,8 +109,17 @@ class NatsConfig:
             _fail("reg_lambda", self.reg_lambda, "a finite number >= 0")
         if self.chunk_size not in CHUNK_SIZES:
             _fail("chunk_size", self.chunk_size, f"one of {CHUNK_SIZES}")
-        if self.sampler not in SAMPLERS:
-            _fail("sampler", self.sampler, f"one of {SAMPLERS}")
+        for name, allowed in (("sampler", SAMPLERS), ("route_grad", ROUTE_GRADS),
+                              ("scorer_init", SCORER_INITS), ("budget_scope", BUDGET_SCOPES),
+                              ("output_gate", OUTPUT_GATES)):
+            if getattr(self, name) not in allowed:
+                _fail(name, getattr(self, name), f"one of {allowed}")
+        if not isinstance(self.scorer_norm, bool):
+            _fail("scorer_norm", self.scorer_norm, "true or false")
+        target = self.softmax_target
+        if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
+                                   or not 0 < target < 1):
+            _fail("softmax_target", target, "null (no budget) or a number in (0, 1)")
         if self.linear_op not in LINEAR_OPS:
             _fail("linear_op", self.linear_op, f"one of {LINEAR_OPS}")
         from nats.kernels.ops import BACKENDS
@@ -138,10 +175,14 @@ class NatsConfig:
         """Build from a JSON-like dict; unknown keys are an error, not silently dropped.
 
         The derived layer lists may be present (``to_dict`` writes them) or absent (older
-        files), but where present they must agree with ``layer_types``.
+        files), but where present they must agree with ``layer_types``. Recipe fields
+        missing from older files take the official layer's values, which those models had.
         """
         fields = {k: v for k, v in d.items() if k not in LAYER_LISTS}
         reject_unknown_fields(cls, fields)
+        # Files written before the recipe fields existed describe models trained (and
+        # shaped: the output gate has weights) the official way.
+        fields = {**{k: v for k, v in OFFICIAL_RECIPE.items() if k not in fields}, **fields}
         config = cls(**fields)
         for key, kind in LAYER_LISTS.items():
             expected = list(config.layers_of(kind))
@@ -152,6 +193,19 @@ class NatsConfig:
 
     def replace(self, **changes: Any) -> NatsConfig:
         return dataclasses.replace(self, **changes)
+
+    def official_recipe(self) -> NatsConfig:
+        """This architecture trained as the official NAtS-L layer is (``OFFICIAL_RECIPE``)."""
+        return self.replace(**OFFICIAL_RECIPE)
+
+
+OFFICIAL_RECIPE: dict[str, Any] = {
+    "route_grad": "selected", "scorer_norm": False, "scorer_init": "normal",
+    "softmax_target": None, "output_gate": "silu"}
+"""The router and output settings of the official NAtS-L code (automl/
+NeuralAttentionSearchLinear, 340M config): only the chosen option's route gradient, a
+raw pooled input, the scorer drawn like every weight, no budget and a SiLU output gate.
+The defaults differ where docs/RESULTS.md measured that they train better."""
 
 
 def reject_unknown_fields(cls: type, data: dict[str, Any]) -> None:

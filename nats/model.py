@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from .config import NatsConfig
 from .layers.linear_layer import LinearLayer
 from .layers.nats_attention import LayerRouting, NatsAttention
 from .layers.norms import RMSNorm
-from .layers.routing import RouteOverride
+from .layers.routing import ChunkScorer, RouteOverride, RunningMoments
 from .layers.softmax_attention import SoftmaxAttention
 
 MIXERS = {"nats": NatsAttention, "gdn": LinearLayer, "softmax": SoftmaxAttention}
@@ -84,6 +85,7 @@ class CausalLMOutput:
     routes: list[torch.Tensor | None] = field(default_factory=list)
     attn_frac: list[torch.Tensor | None] = field(default_factory=list)
     probs: list[torch.Tensor | None] = field(default_factory=list)
+    routable_frac: list[torch.Tensor | None] = field(default_factory=list)
 
 
 class NatsForCausalLM(nn.Module):
@@ -101,12 +103,24 @@ class NatsForCausalLM(nn.Module):
             self.lm_head.weight = self.embed.weight
 
     def _init_weights(self, module: nn.Module) -> None:
+        # ``apply`` visits a module's children first, so the scorer's rule comes last.
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=self.config.initializer_range)
+        if isinstance(module, ChunkScorer) and self.config.scorer_init == "zero":
+            nn.init.zeros_(module.proj.weight)
 
     @property
     def nats_layers(self) -> list[NatsAttention]:
         return [b.mixer for b in self.blocks if isinstance(b.mixer, NatsAttention)]
+
+    def update_routing_statistics(
+            self, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Fold the routing statistics that this step's training forwards gathered into
+        the running ones (``RunningMoments``); call once per optimizer step, as the trainer
+        does (``reduce`` sums them over processes first)."""
+        for module in self.modules():
+            if isinstance(module, RunningMoments):
+                module.commit(reduce)
 
     def set_route_override(self, override: RouteOverride) -> None:
         """Force the routes of every NAtS-L layer (analysis, baselines); ``None`` undoes it."""
@@ -130,7 +144,8 @@ class NatsForCausalLM(nn.Module):
             logits=logits,
             routes=[r.routes if r else None for r in routings],
             attn_frac=[r.attn_frac if r else None for r in routings],
-            probs=[r.probs if r else None for r in routings])
+            probs=[r.probs if r else None for r in routings],
+            routable_frac=[r.routable_frac if r else None for r in routings])
         regs = [r.reg for r in routings if r is not None]
         out.reg_loss = torch.stack(regs).mean() if regs else logits.new_zeros(())
         if labels is not None:

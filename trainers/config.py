@@ -55,6 +55,14 @@ class TrainConfig:
     """Fraction of the steps trained before the routing cost term (``reg_lambda``) applies:
     until then the scorers learn from the task alone, so the cost cannot push every chunk
     to linear attention before the task shows which chunks need softmax."""
+    route_explore: float = 0.0
+    """Fraction of the steps over which routes explore: Gumbel noise on the routing logits,
+    annealed from 1 to 0 (see :func:`trainers.route_control.exploration_noise`)."""
+    budget_rate: float = 0.05
+    """Step size of the controller that holds ``model.softmax_target`` (logit units per unit
+    of fraction error per step)."""
+    router_lr_scale: float = 1.0
+    """The scorers' learning rate as a multiple of ``lr`` (they never take weight decay)."""
     grad_accum_steps: int = 1
     precision: str = "auto"
     compile: bool = False
@@ -110,13 +118,13 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 _fail(name, value, "an integer >= 0")
-        for name in ("lr", "grad_clip"):
+        for name in ("lr", "grad_clip", "budget_rate", "router_lr_scale"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 _fail(name, value, "a number > 0")
         if not isinstance(self.weight_decay, (int, float)) or not self.weight_decay >= 0:
             _fail("weight_decay", self.weight_decay, "a number >= 0")
-        for name in ("min_lr_ratio", "val_fraction", "reg_start"):
+        for name in ("min_lr_ratio", "val_fraction", "reg_start", "route_explore"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 <= value <= 1:
                 _fail(name, value, "a number in [0, 1]")

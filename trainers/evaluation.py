@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +52,76 @@ def frac_scalars(prefix: str, attn_frac: list[torch.Tensor | None]) -> dict[str,
     return out
 
 
+def route_frac_scalars(prefix: str, routable_frac: list[torch.Tensor | None]) -> dict[str, float]:
+    """The share of routable chunks (all but a sequence's last) sent to softmax, per NAtS-L
+    layer and over layers: ``{prefix}/route_frac[/layer{i}]``, what a budget holds (the
+    per-token ``attn_frac`` also counts every sequence's last chunk)."""
+    values = {i: float(f) for i, f in enumerate(routable_frac)
+              if f is not None and not math.isnan(float(f))}
+    out = {f"{prefix}/route_frac/layer{i}": v for i, v in values.items()}
+    if values:
+        out[f"{prefix}/route_frac"] = sum(values.values()) / len(values)
+    return out
+
+
+RelevantFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(input_ids, labels) -> bool [B, T]``: the positions a task's answers are read from
+(MQAR's key-value pairs, a needle); see ``relevant_positions`` of the synthetic tasks."""
+
+
+def informative_chunks(relevant: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """``[B, N]``: whether chunk ``c`` holds a relevant position (``relevant`` ``[B, T]``)."""
+    b, t = relevant.shape
+    n = -(-t // chunk_size)
+    padded = torch.zeros(b, n * chunk_size, dtype=torch.bool, device=relevant.device)
+    padded[:, :t] = relevant
+    return padded.view(b, n, chunk_size).any(-1)
+
+
+class RoutingPrecision:
+    """How often routable chunks (all but a sequence's last) go to softmax, apart for the
+    chunks that hold what the queries ask (informative) and for the rest (filler), summed
+    over heads and batches per NAtS-L layer.
+
+    ``route_lift = informative rate / filler rate`` is the picture of a router that learned
+    content: 1 for a content-blind router, large when the few chunks that matter are the
+    ones kept in the KV cache.
+    """
+
+    def __init__(self) -> None:
+        self.counts: dict[int, torch.Tensor] = {}
+        """Layer -> [informative softmax, informative, filler softmax, filler] decisions."""
+
+    def add(self, routes: list[torch.Tensor | None], relevant: torch.Tensor,
+            chunk_size: int) -> None:
+        info = informative_chunks(relevant, chunk_size)[:, :-1]  # the last chunk: no route
+        for i, r in enumerate(routes):
+            if r is None or r.shape[1] < 2:
+                continue
+            sm = (r[:, :-1, :, SOFTMAX].detach() > 0.5).cpu()  # [B, N - 1, H]
+            mask = info.cpu()[..., None].expand_as(sm)
+            row = torch.tensor([(sm & mask).sum(), mask.sum(), (sm & ~mask).sum(),
+                                (~mask).sum()], dtype=torch.float64)
+            self.counts[i] = self.counts.get(i, torch.zeros(4, dtype=torch.float64)) + row
+
+    def metrics(self) -> dict[str, float]:
+        """``eval/route_informative``, ``eval/route_filler`` and ``eval/route_lift``, per
+        layer (``.../layer{i}``) and over all layers' decisions."""
+        out: dict[str, float] = {}
+        if not self.counts:
+            return out
+        for name, c in [*((f"/layer{i}", c) for i, c in self.counts.items()),
+                        ("", sum(self.counts.values()))]:
+            if c[1] == 0 or c[3] == 0:
+                continue  # no informative (or no filler) chunk was seen
+            informative, filler = float(c[0] / c[1]), float(c[2] / c[3])
+            out[f"eval/route_informative{name}"] = informative
+            out[f"eval/route_filler{name}"] = filler
+            if filler > 0:
+                out[f"eval/route_lift{name}"] = informative / filler
+        return out
+
+
 def labelled_token_count(labels: torch.Tensor) -> int:
     """Positions whose next-token label carries loss (the shift drops the first label)."""
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
@@ -59,12 +130,14 @@ def labelled_token_count(labels: torch.Tensor) -> int:
 @torch.no_grad()
 def evaluate(model: NatsForCausalLM, batches: list[Batch], device: torch.device,
              autocast: contextlib.AbstractContextManager | None = None,
-             bytes_per_token: float | None = None) -> Evaluation:
+             bytes_per_token: float | None = None,
+             relevant: RelevantFn | None = None) -> Evaluation:
     """Evaluate ``model`` on ``batches`` in eval mode.
 
     ``eval/acc`` is the share of labelled tokens predicted exactly (greedy) and
     ``eval/seq_acc`` the share of sequences whose labelled tokens are all right, e.g. MQAR
-    queries or a needle's digits. ``eval/bpb`` (bits per byte) needs ``bytes_per_token``.
+    queries or a needle's digits. ``eval/bpb`` (bits per byte) needs ``bytes_per_token``;
+    the routing precision (:class:`RoutingPrecision`) needs the task's ``relevant``.
     """
     was_training = model.training
     model.eval()
@@ -73,6 +146,7 @@ def evaluate(model: NatsForCausalLM, batches: list[Batch], device: torch.device,
     frac_sums: dict[str, float] = {}
     routes: list[torch.Tensor | None] = []
     probs: list[list[torch.Tensor]] = []
+    precision = RoutingPrecision()
     for i, (input_ids, labels) in enumerate(batches):
         input_ids, labels = input_ids.to(device), labels.to(device)
         with autocast or contextlib.nullcontext():
@@ -87,8 +161,11 @@ def evaluate(model: NatsForCausalLM, batches: list[Batch], device: torch.device,
         has_labels = mask.any(1)
         sequences += int(has_labels.sum())
         solved += int((has_labels & (hit == mask).all(1)).sum())
-        for k, v in frac_scalars("eval", out.attn_frac).items():
+        for k, v in {**frac_scalars("eval", out.attn_frac),
+                     **route_frac_scalars("eval", out.routable_frac)}.items():
             frac_sums[k] = frac_sums.get(k, 0.0) + v
+        if relevant is not None and model.nats_layers:
+            precision.add(out.routes, relevant(input_ids, labels), model.config.chunk_size)
         if i == 0:
             routes = [r.detach() if r is not None else None for r in out.routes]
             probs = [[] for _ in out.probs]
@@ -102,7 +179,7 @@ def evaluate(model: NatsForCausalLM, batches: list[Batch], device: torch.device,
     metrics = {"eval/loss": ce + reg_sum / n, "eval/ce": ce, "eval/reg": reg_sum / n,
                "eval/ppl": math.exp(min(ce, 80.0)), "eval/acc": correct / max(tokens, 1),
                "eval/seq_acc": solved / max(sequences, 1),
-               **{k: v / n for k, v in frac_sums.items()}}
+               **{k: v / n for k, v in frac_sums.items()}, **precision.metrics()}
     if bytes_per_token is not None:
         metrics["eval/bpb"] = ce / math.log(2) / bytes_per_token
     return Evaluation(metrics, routes, [torch.cat(p) if p else None for p in probs])

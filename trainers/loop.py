@@ -35,8 +35,15 @@ from .checkpoint import (
 from .config import TrainConfig
 from .data import build_batches
 from .distributed import World, joined_world
-from .evaluation import evaluate, frac_scalars, labelled_token_count
+from .evaluation import evaluate, frac_scalars, labelled_token_count, route_frac_scalars
 from .optim import build_optimizer, lr_at, set_lr
+from .route_control import (
+    budget_active,
+    exploration_noise,
+    route_bias_scalars,
+    set_exploration,
+    update_budget,
+)
 from .synthetic import Batch
 from .tensorboard_log import RunLog
 
@@ -98,6 +105,7 @@ class _StepStats:
     ce: float
     reg: float
     attn_frac: list[torch.Tensor | None]
+    routable_frac: list[torch.Tensor | None]
 
 
 def reg_weight_at(step: int, config: TrainConfig) -> float:
@@ -121,6 +129,7 @@ def _train_step(forward: Callable, ddp: DistributedDataParallel | None, batch: B
     micro = len(input_ids) // config.grad_accum_steps
     totals = torch.zeros(2, device=device)  # ce summed over tokens, reg summed over rows
     micro_fracs: list[list[torch.Tensor | None]] = []
+    micro_routable: list[list[torch.Tensor | None]] = []
     for i in range(config.grad_accum_steps):
         part = slice(i * micro, (i + 1) * micro)
         last = i == config.grad_accum_steps - 1
@@ -134,15 +143,23 @@ def _train_step(forward: Callable, ddp: DistributedDataParallel | None, batch: B
             loss.backward()
         totals += torch.stack([ce_sum.detach(), reg.detach() * micro])
         micro_fracs.append(out.attn_frac)
+        micro_routable.append([None if f is None else f.view(1) for f in out.routable_frac])
     # Softmax fractions: mean over micro-batches (equal sizes), then over ranks.
-    fracs = [None if f is None else torch.stack([m[j] for m in micro_fracs]).float().mean(0)
-             for j, f in enumerate(micro_fracs[0])]
-    present = [f for f in fracs if f is not None]
+    fracs = [_micro_mean(micro_fracs, j) for j in range(len(micro_fracs[0]))]
+    routable = [_micro_mean(micro_routable, j) for j in range(len(micro_routable[0]))]
+    present = [f for f in (*fracs, *routable) if f is not None]
     summed = world.sum(torch.cat([totals, *present]).detach())
     ce, reg_mean = float(summed[0]) / global_tokens, float(summed[1]) / global_rows
     summed_fracs = iter(summed[2:].split([f.numel() for f in present]))
     attn_frac = [None if f is None else next(summed_fracs) / world.size for f in fracs]
-    return _StepStats(ce + reg_mean, ce, reg_mean, attn_frac)
+    routable_frac = [None if f is None else next(summed_fracs)[0] / world.size for f in routable]
+    return _StepStats(ce + reg_mean, ce, reg_mean, attn_frac, routable_frac)
+
+
+def _micro_mean(values: list[list[torch.Tensor | None]], layer: int) -> torch.Tensor | None:
+    if values[0][layer] is None:
+        return None
+    return torch.stack([m[layer] for m in values]).float().mean(0)
 
 
 def _start_or_resume(config: TrainConfig, resume: bool, model: NatsForCausalLM,
@@ -211,6 +228,7 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
     out_dir = Path(config.out_dir)
     batches = build_batches(config)
     eval_batches = batches.eval(config.eval_batches)
+    relevant = getattr(config.synthetic_task(), "relevant_positions", None)
     autocast = autocast_for(config.precision, device)
 
     torch.manual_seed(config.seed)
@@ -255,6 +273,8 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
             while step < config.steps and not stop.requested:
                 lr = lr_at(step, config)
                 set_lr(optimizer, lr)
+                noise = exploration_noise(step, config)
+                set_exploration(model, noise)
                 optimizer.zero_grad(set_to_none=True)
                 stats = _train_step(forward, ddp, batches.train(step), config, world, device,
                                     autocast, reg_weight_at(step, config))
@@ -263,6 +283,9 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
                                      f"{step + 1}; the newest checkpoint is {checkpoint}")
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
                 optimizer.step()
+                model.update_routing_statistics(world.sum)
+                if budget_active(step, config):
+                    update_budget(model, stats.routable_frac, config)
                 step += 1
                 losses.append(stats.loss)
                 rate = tokens_per_step * (step - first_step) / (time.perf_counter() - started)
@@ -273,10 +296,13 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
                     log.scalars({"train/loss": stats.loss, "train/ce": stats.ce,
                                  "train/reg": stats.reg, "train/lr": lr,
                                  "train/grad_norm": float(grad_norm), "train/tokens_per_s": rate,
-                                 **frac_scalars("train", stats.attn_frac)}, step)
+                                 "train/route_noise": noise,
+                                 **frac_scalars("train", stats.attn_frac),
+                                 **route_frac_scalars("train", stats.routable_frac),
+                                 **route_bias_scalars(model)}, step)
                 if step % config.eval_interval == 0 or step == config.steps:
                     result = evaluate(model, eval_batches, device, autocast,
-                                      batches.bytes_per_token)
+                                      batches.bytes_per_token, relevant)
                     eval_metrics = result.metrics
                     log.evaluation(result, step, config.model, config.seq_len)
                     if world.is_main:
@@ -306,7 +332,7 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
 
 def _eval_line(step: int, metrics: dict[str, float]) -> str:
     """One console line per evaluation: the headline metrics, not every head's fraction."""
-    names = ("loss", "ppl", "bpb", "acc", "seq_acc", "attn_frac")
+    names = ("loss", "ppl", "bpb", "acc", "seq_acc", "attn_frac", "route_lift")
     parts = [f"{name} {metrics[f'eval/{name}']:.4g}" for name in names
              if f"eval/{name}" in metrics]
     return f"step {step}: eval " + ", ".join(parts)

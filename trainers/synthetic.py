@@ -56,7 +56,9 @@ class MQARTask:
 
     * ``placement``: ``start``, the pairs open the sequence back to back; ``scattered``,
       they sit at random even offsets among filler in the context region (the first
-      ``2 * (T // 4)`` tokens, or everything before the queries when they are at the end).
+      ``2 * (T // 4)`` tokens, or everything before the queries when they are at the end);
+      ``block``, back to back at one random even offset in that region: concentrated
+      recall, where a few chunks hold everything the queries ask and the rest is filler.
     * ``filler`` (every other position): ``random`` tokens of the whole vocabulary (keys
       and values included), ``constant`` token 0 (never a key or value), or ``noise`` from
       the top ``noise_vocab`` tokens (default ``V // 4``), disjoint from keys and values.
@@ -74,7 +76,7 @@ class MQARTask:
     queries: str = "power-law"
     noise_vocab: int | None = None
 
-    PLACEMENTS: ClassVar[tuple[str, ...]] = ("start", "scattered")
+    PLACEMENTS: ClassVar[tuple[str, ...]] = ("start", "scattered", "block")
     FILLERS: ClassVar[tuple[str, ...]] = ("random", "constant", "noise")
     QUERIES: ClassVar[tuple[str, ...]] = ("power-law", "end")
     CONSTANT_FILLER: ClassVar[int] = 0
@@ -130,6 +132,10 @@ class MQARTask:
             input_ids = torch.randint(noise.start, noise.stop, (b, t), generator=generator)
         if self.placement == "start":
             pair_pos = torch.arange(0, 2 * d, 2).expand(b, d)
+        elif self.placement == "block":
+            offset = 2 * torch.randint(0, (self.context_end - 2 * d) // 2 + 1, (b, 1),
+                                       generator=generator)
+            pair_pos = offset + torch.arange(0, 2 * d, 2)
         else:
             slots = self.context_end // 2
             pair_pos = 2 * torch.rand(b, slots, generator=generator).argsort(dim=1)[:, :d]

@@ -28,7 +28,7 @@ class LinearLayer(nn.Module):
         self.qkv = QKVProjection(cfg.d_model, (h * dk, h * dk, h * dv), cfg.conv_size)
         self.linear = LinearOperator.from_config(cfg)
         self.gates = self.linear.gates(cfg.d_model)
-        self.out = GatedOutput(cfg.d_model, h, dv)
+        self.out = GatedOutput(cfg.d_model, h, dv, cfg.output_gate)
 
     def _mix(self, x: torch.Tensor, qkv):
         o, state = self.linear.parallel(*self.linear.features(*qkv), self.gates(x),

@@ -122,11 +122,12 @@ class LinearOperator:
     d_v: int
     chunk_size: int
     backend: str = "auto"
+    route_grad: str = "selected"
 
     @classmethod
     def from_config(cls, cfg: NatsConfig) -> LinearOperator:
         return cls(cfg.linear_op, cfg.n_heads, cfg.head_dim_k, cfg.head_dim_v, cfg.chunk_size,
-                   cfg.backend)
+                   cfg.backend, cfg.route_grad)
 
     @property
     def scale(self) -> float:
@@ -173,7 +174,7 @@ class LinearOperator:
             routes = all_linear_routes(q.shape[0], q.shape[1], self.chunk_size, self.heads,
                                        q.device)
         common = dict(initial_state=initial_state, output_final_state=output_final_state,
-                      backend=self.backend)
+                      route_grad=self.route_grad, backend=self.backend)
         if self.delta:
             return hybrid_gated_delta_rule(q, k, v, gates.g, gates.beta, routes, self.chunk_size,
                                            self.scale, **common)

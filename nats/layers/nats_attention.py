@@ -26,6 +26,7 @@ from .norms import RMSNorm, rms_norm, upcast
 from .projections import GatedOutput, QKVProjection
 from .rotary import apply_rotary
 from .routing import (
+    BudgetedScores,
     ChunkScorer,
     RouteOverride,
     chunk_mean_pool,
@@ -40,14 +41,18 @@ class LayerRouting:
     """What one forward of a NAtS-L layer decided.
 
     ``routes`` ``[B, N, H, 2]`` (one-hot, straight-through), ``probs`` the scorer's
-    probabilities, ``attn_frac`` ``[H]`` the softmax fraction per head and ``reg`` the
-    cost regulariser ``lambda * mean(probs[..., softmax])``.
+    probabilities, ``attn_frac`` ``[H]`` the softmax fraction per head, ``reg`` the cost
+    regulariser ``lambda * mean(probs[..., softmax])`` and ``routable_frac`` the share of
+    routable chunks sent to softmax (what a budget holds); both leave out each sequence's
+    last chunk, whose route no query sees (NaN in ``routable_frac`` when a sequence is one
+    chunk).
     """
 
     routes: torch.Tensor
     probs: torch.Tensor
     attn_frac: torch.Tensor
     reg: torch.Tensor
+    routable_frac: torch.Tensor
 
 
 class NatsAttention(nn.Module):
@@ -63,10 +68,15 @@ class NatsAttention(nn.Module):
         self.k_norm = RMSNorm(cfg.softmax_head_dim_k, cfg.norm_eps)
         self.linear = LinearOperator.from_config(cfg)
         self.gates = self.linear.gates(cfg.d_model)
-        self.scorer = ChunkScorer(cfg.d_model, h)
+        self.scorer = ChunkScorer(cfg.d_model, h, norm=cfg.scorer_norm)
+        if cfg.softmax_target is not None:
+            self.budget = BudgetedScores(h, cfg.softmax_target)
         self.mix = nn.Linear(h * cfg.head_dim_k, 2 * h * r, bias=False)
-        self.out = GatedOutput(cfg.d_model, h * r, cfg.softmax_head_dim_v)
+        self.out = GatedOutput(cfg.d_model, h * r, cfg.softmax_head_dim_v, cfg.output_gate)
         self.route_override: RouteOverride = None
+        self.route_noise = 0.0
+        """Scale of the Gumbel noise on the routing logits while training (exploration;
+        set by the trainer's schedule)."""
 
     # -- pieces shared by the parallel form and decoding ---------------------------------
 
@@ -83,9 +93,12 @@ class NatsAttention(nn.Module):
     def _route(self, pooled: torch.Tensor, first_chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Routes and scorer probabilities for chunks ``first_chunk ..`` from pooled inputs."""
         logits = self.scorer(pooled)
+        if self.cfg.softmax_target is not None:
+            logits = self.budget(logits)
         probs = F.softmax(logits, -1)
         if self.route_override is None:
-            routes = sample_routes(logits, self.cfg.sampler, self.cfg.gumbel_tau, self.training)
+            routes = sample_routes(logits, self.cfg.sampler, self.cfg.gumbel_tau, self.training,
+                                   noise=self.route_noise)
         else:
             routes = forced_routes(self.route_override, pooled.shape[0], first_chunk,
                                    pooled.shape[1], self.cfg.n_heads, pooled.device)
@@ -122,7 +135,8 @@ class NatsAttention(nn.Module):
         gates = self.gates(x)
         linear = self.linear.parallel if cache_conv is None else self._prefill_linear
         o_sm, linear_out = concurrently(
-            lambda: hybrid_softmax_attention(qs, ks, vs, routes, c, backend=cfg.backend),
+            lambda: hybrid_softmax_attention(qs, ks, vs, routes, c, route_grad=cfg.route_grad,
+                                             backend=cfg.backend),
             lambda: linear(ql, kl, vl, gates, routes), x.device)
         if cache_conv is None:
             o_la, cache = linear_out[0], None
@@ -137,8 +151,12 @@ class NatsAttention(nn.Module):
                 chunk_v=self._open_chunk(vs, done), open_len=seq_len - done,
                 pool_sum=upcast(x[:, done:]).sum(1), store_k=store_k, store_v=store_v,
                 store_chunks=store_chunks)
-        routing = LayerRouting(routes=routes, probs=probs, attn_frac=softmax_fraction(routes),
-                               reg=cfg.reg_lambda * probs[..., SOFTMAX].mean())
+        routable = slice(0, routes.shape[1] - 1)
+        reg = probs[:, routable, :, SOFTMAX].mean() if routes.shape[1] > 1 else probs.new_zeros(())
+        routing = LayerRouting(
+            routes=routes, probs=probs, attn_frac=softmax_fraction(routes),
+            reg=cfg.reg_lambda * reg,
+            routable_frac=routes[:, routable, :, SOFTMAX].detach().float().mean())
         return self._merge(q, o_la, o_sm, x), routing, cache
 
     # -- prefill: the cache after a prompt -------------------------------------------------

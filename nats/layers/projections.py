@@ -35,20 +35,24 @@ class QKVProjection(nn.Module):
 
 
 class GatedOutput(nn.Module):
-    """``W_o((y * gamma) * SiLU(W_g x))`` over heads of width ``head_dim``.
+    """``W_o((y * gamma) * SiLU(W_g x))`` over heads of width ``head_dim``, or
+    ``W_o(y * gamma)`` with ``gate="none"`` (``NatsConfig.output_gate``).
 
     ``y`` arrives already normalised per head; ``gamma`` is the shared per-channel scale
     of the gated RMSNorm.
     """
 
-    def __init__(self, d_model: int, heads: int, head_dim: int) -> None:
+    def __init__(self, d_model: int, heads: int, head_dim: int, gate: str = "silu") -> None:
         super().__init__()
         self.heads, self.head_dim = heads, head_dim
         self.gamma = nn.Parameter(torch.ones(head_dim))
-        self.gate = nn.Linear(d_model, heads * head_dim, bias=False)
+        if gate == "silu":
+            self.gate = nn.Linear(d_model, heads * head_dim, bias=False)
         self.out = nn.Linear(heads * head_dim, d_model, bias=False)
 
     def forward(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        gate = F.silu(self.gate(x)).view(*x.shape[:-1], self.heads, self.head_dim)
-        return self.out((y.to(x.dtype) * self.gamma * gate).flatten(-2))
+        y = y.to(x.dtype) * self.gamma
+        if hasattr(self, "gate"):
+            y = y * F.silu(self.gate(x)).view(*x.shape[:-1], self.heads, self.head_dim)
+        return self.out(y.flatten(-2))
 

@@ -8,6 +8,7 @@ the probabilities ``s`` (straight-through).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,17 +35,116 @@ def chunk_mean_pool(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
     return padded.sum(2) / counts[None, :, None]
 
 
-class ChunkScorer(nn.Module):
-    """Mean pool + bias-free linear: two logits per (chunk, routing head)."""
+class RunningMoments(nn.Module):
+    """Running mean and variance of a batch of vectors ``[..., C]`` over routable chunks.
 
-    def __init__(self, d_model: int, n_heads: int) -> None:
+    Forward passes in training only accumulate the batch's sums; :meth:`commit` (once per
+    optimizer step, after the sums of every micro-batch and process are combined) moves
+    the running values ``momentum`` of the way toward them. Statistics are therefore the
+    same in every forward of a step, whatever the micro-batch split, and the same in
+    training, evaluation and decoding.
+    """
+
+    def __init__(self, channels: int, momentum: float = 0.1) -> None:
         super().__init__()
-        self.n_heads = n_heads
+        self.momentum = momentum
+        self.register_buffer("running_mean", torch.zeros(channels))
+        self.register_buffer("running_var", torch.ones(channels))
+        self.pending: torch.Tensor | None = None
+        """``[count, sum (C), sum of squares (C)]`` since the last commit (not a buffer:
+        each process holds its own until they are summed)."""
+
+    def accumulate(self, x: torch.Tensor) -> None:
+        """Add the rows of ``x`` ``[n, C]`` to the pending sums."""
+        x = x.detach().double()
+        sums = torch.cat([x.new_full((1,), x.shape[0]), x.sum(0), x.square().sum(0)])
+        self.pending = sums if self.pending is None else self.pending + sums
+
+    @torch.no_grad()
+    def commit(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Fold the pending sums (``reduce``-d across processes first) into the running
+        values; nothing to do when no routable chunk was seen."""
+        if self.pending is None:
+            return
+        sums = self.pending if reduce is None else reduce(self.pending)
+        self.pending = None
+        count, channels = sums[0], self.running_mean.numel()
+        if count < 1:
+            return
+        mean = sums[1: 1 + channels] / count
+        var = (sums[1 + channels:] / count - mean.square()).clamp_min(0)
+        self.running_mean.lerp_(mean.to(self.running_mean.dtype), self.momentum)
+        self.running_var.lerp_(var.to(self.running_var.dtype), self.momentum)
+
+    def standardise(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        """``(x - mean) / sqrt(var + eps)`` with the running values; counts ``x``'s
+        routable chunks (``x`` is ``[B, N, ..., C]``, the last chunk left out) while
+        training."""
+        if self.training and x.shape[1] > 1:
+            self.accumulate(x[:, :-1].reshape(-1, x.shape[-1]))
+        return (x - self.running_mean) * torch.rsqrt(self.running_var + eps)
+
+
+class ChunkScorer(nn.Module):
+    """Bias-free linear on a chunk's mean input: two logits per (chunk, routing head).
+
+    With ``norm`` the pooled vector is first centred and scaled per feature by running
+    statistics over chunks (:class:`RunningMoments`). Chunk means of a layer's input share
+    a large common part; without centring, every step of the scorer's weights along it
+    moves all chunks' logits together, which says nothing about which chunk matters and,
+    under a budget, makes the threshold chase the drift.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, norm: bool = False, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.n_heads, self.eps = n_heads, eps
         self.proj = nn.Linear(d_model, 2 * n_heads, bias=False)
+        self.moments = RunningMoments(d_model) if norm else None
 
     def forward(self, pooled: torch.Tensor) -> torch.Tensor:
         """``pooled`` ``[B, N, D]`` -> logits ``[B, N, H, 2]``."""
+        if self.moments is not None:
+            pooled = self.moments.standardise(upcast(pooled), self.eps).to(pooled.dtype)
         return upcast(self.proj(pooled).view(*pooled.shape[:-1], self.n_heads, 2))
+
+
+class BudgetedScores(nn.Module):
+    """Under a softmax budget, turns two logits per chunk into ``[z + bias, 0]``, where
+    ``z`` is the logit difference standardised per routing head.
+
+    Without it the scorer's weights drift along whatever every chunk shares (softmax helps
+    every chunk a little), the logits grow until their probabilities saturate and the route
+    gradient, which passes through ``p (1 - p)``, dies: routes freeze, content-blind, and no
+    bias can catch up. Standardised scores keep only how chunks differ, so the scorer
+    learns a ranking and the bias alone sets how many go to softmax; the bias starts where
+    a Gaussian score meets the target. The statistics are running ones
+    (:class:`RunningMoments`), so the share the trainer's controller holds in training is
+    the share a trained model routes. While training, the gradient is centred per batch
+    (per micro-batch and process, as batch norm's is).
+    """
+
+    def __init__(self, n_heads: int, target: float, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.register_buffer("route_bias", torch.tensor(_normal_quantile(target)))
+        self.moments = RunningMoments(n_heads)
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` ``[B, N, H, 2]`` -> ``[B, N, H, 2]``."""
+        d = logits[..., 0] - logits[..., 1]
+        if self.training and d.shape[1] > 1:
+            # The same value, but the gradient of a batch centred on its own mean: the part
+            # of the scorer's gradient that every chunk shares would only move all scores
+            # together (without it, concentrated recall was not learned: docs/RESULTS.md).
+            mean = d[:, :-1].mean((0, 1))
+            d = d - mean + mean.detach()
+        z = self.moments.standardise(d, self.eps)
+        return torch.stack([z + self.route_bias, torch.zeros_like(z)], -1)
+
+
+def _normal_quantile(p: float) -> float:
+    """The bias ``b`` with ``P(z + b > 0) = p`` for a standard normal ``z``."""
+    return math.sqrt(2) * torch.erfinv(torch.tensor(2 * p - 1.0, dtype=torch.float64)).item()
 
 
 def straight_through(probs: torch.Tensor) -> torch.Tensor:
@@ -55,13 +155,28 @@ def straight_through(probs: torch.Tensor) -> torch.Tensor:
 
 
 def sample_routes(logits: torch.Tensor, sampler: str, tau: float, training: bool,
-                  generator: torch.Generator | None = None) -> torch.Tensor:
-    """Routes from scorer logits: straight-through argmax, or hard Gumbel while training."""
-    if sampler == "gumbel" and training:
-        u = torch.rand(logits.shape, generator=generator, device=logits.device,
-                       dtype=logits.dtype).clamp_(1e-10, 1 - 1e-7)
-        return straight_through(F.softmax((logits - torch.log(-torch.log(u))) / tau, -1))
-    return straight_through(F.softmax(logits, -1))
+                  generator: torch.Generator | None = None, noise: float = 0.0) -> torch.Tensor:
+    """Routes from scorer logits: straight-through argmax, or hard Gumbel while training.
+
+    ``noise`` (training only) adds that multiple of Gumbel noise before the argmax: at 1 a
+    chunk goes to softmax with the scorer's probability, so routes explore; annealed to 0
+    it is the plain argmax. The gradient stays that of the noiseless probabilities.
+    """
+    if not training:
+        return straight_through(F.softmax(logits, -1))
+    if sampler == "gumbel":
+        return straight_through(F.softmax((logits + _gumbel(logits, generator)) / tau, -1))
+    probs = F.softmax(logits, -1)
+    if noise <= 0:
+        return straight_through(probs)
+    hard = F.one_hot((logits + noise * _gumbel(logits, generator)).argmax(-1), 2)
+    return hard.to(probs.dtype) + (probs - probs.detach())
+
+
+def _gumbel(logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    u = torch.rand(logits.shape, generator=generator, device=logits.device,
+                   dtype=logits.dtype).clamp_(1e-10, 1 - 1e-7)
+    return -torch.log(-torch.log(u))
 
 
 def fraction_is_softmax(chunk: torch.Tensor, fraction: float) -> torch.Tensor:

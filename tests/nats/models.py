@@ -5,12 +5,15 @@ from __future__ import annotations
 import torch
 
 from nats import NatsConfig, NatsForCausalLM
+from nats.config import OFFICIAL_RECIPE
 
 
 def tiny_config(layer_types: tuple[str, ...] = ("nats", "nats"), **overrides) -> NatsConfig:
+    """The official recipe unless ``overrides`` say otherwise: its routes are a plain argmax
+    of the scorer's logits, which the definition tests write out by hand."""
     base = dict(vocab_size=50, d_model=32, n_layers=len(layer_types), n_heads=2,
                 softmax_heads_per_head=2, head_dim_k=16, head_dim_v=16, chunk_size=16,
-                layer_types=layer_types)
+                layer_types=layer_types, **OFFICIAL_RECIPE)
     return NatsConfig(**{**base, **overrides})
 
 

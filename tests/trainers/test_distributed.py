@@ -28,7 +28,9 @@ if int(__import__("os").environ["RANK"]) == 0:
 @pytest.mark.slow
 def test_two_processes_follow_the_single_process_run(micro: MicroConfig,
                                                      tmp_path: Path) -> None:
-    model = micro().model.replace(vocab_size=64)
+    # No budget: its gradient is centred per process (as batch norm's is). The routing
+    # statistics are summed over processes before each commit, so they follow exactly.
+    model = micro().model.replace(vocab_size=64, softmax_target=None)
     common = dict(task="mqar", batch_size=4, seq_len=32, mqar_pairs=4, model=model)
     single = train(micro(**common, out_dir=str(tmp_path / "single")))
 

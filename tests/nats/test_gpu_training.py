@@ -1,0 +1,31 @@
+"""On a CUDA GPU: bf16 training at the settings that once went to NaN stays finite."""
+
+import math
+
+import pytest
+import torch
+
+from nats import NatsConfig
+from nats.config import OFFICIAL_RECIPE
+from nats.trainers import TrainConfig, train
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def test_gated_deltanet_needle_run_stays_finite_in_bf16(tmp_path):
+    """Gated DeltaNet on the needle task, 4 layers of width 128 at 1,024 bytes, lr 3e-3 and
+    100 warm-up steps, as in the run that reached a NaN loss at step 139-277 (issue 19)
+    while the CPU reference never did. The tf32 WY inverse let the state grow without bound
+    once keys collapsed; the trainer raises on the first non-finite loss."""
+    model = NatsConfig(vocab_size=266, d_model=128, n_layers=4, n_heads=2,
+                       softmax_heads_per_head=2, head_dim_k=64, head_dim_v=64, chunk_size=64,
+                       layer_types=("gdn",) * 4, rope=True, **OFFICIAL_RECIPE)
+    config = TrainConfig(model=model, task="needle", steps=250, batch_size=32, seq_len=1024,
+                         needle_haystack="text", needle_distractors=1, lr=3e-3,
+                         warmup_steps=100, precision="bf16", eval_interval=250,
+                         log_interval=50, checkpoint_interval=1000, device="cuda",
+                         out_dir=str(tmp_path / "run"))
+    result = train(config)
+    assert all(math.isfinite(loss) for loss in result.train_losses)
+    assert math.isfinite(result.eval_metrics["eval/loss"])

@@ -1,0 +1,92 @@
+"""The trainer's side of routing: exploration schedule, budget controller, scorer optimiser
+group, and the routing-precision metrics of an evaluation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nats import NatsConfig, NatsForCausalLM
+from nats.trainers import train
+from nats.trainers.evaluation import RoutingPrecision, informative_chunks
+from nats.trainers.optim import build_optimizer, set_lr
+from nats.trainers.route_control import exploration_noise, update_budget
+
+from .conftest import MicroConfig
+
+
+def test_exploration_anneals_from_one_to_zero(micro: MicroConfig) -> None:
+    config = micro(steps=100, route_explore=0.4)
+    assert [exploration_noise(s, config) for s in (0, 10, 20, 39, 40, 99)] == pytest.approx(
+        [1.0, 0.75, 0.5, 0.025, 0.0, 0.0])
+    assert exploration_noise(0, micro(route_explore=0.0)) == 0.0
+
+
+@pytest.mark.parametrize("scope", ["layer", "model"])
+def test_budget_controller_moves_each_bias_against_its_error(micro: MicroConfig,
+                                                             scope: str) -> None:
+    config = micro(budget_rate=0.5)
+    model = NatsForCausalLM(config.model.replace(softmax_target=0.25, budget_scope=scope))
+    start = float(model.nats_layers[0].budget.route_bias)
+    update_budget(model, [torch.tensor(0.75), torch.tensor(0.25)], config)
+    moved = [float(layer.budget.route_bias) - start for layer in model.nats_layers]
+    want = [-0.25, 0.0] if scope == "layer" else [-0.125, -0.125]
+    assert moved == pytest.approx(want)
+    update_budget(model, [torch.tensor(math.nan), torch.tensor(0.5)], config)  # one chunk
+    assert [float(layer.budget.route_bias) - start for layer in model.nats_layers] == \
+        pytest.approx(want)
+
+
+def test_scorers_get_their_own_rate_and_no_weight_decay(micro: MicroConfig) -> None:
+    config = micro(router_lr_scale=3.0, weight_decay=0.1)
+    model = NatsForCausalLM(config.model)
+    optimizer = build_optimizer(model, config)
+    set_lr(optimizer, 0.01)
+    scorer_ids = {id(layer.scorer.proj.weight) for layer in model.nats_layers}
+    groups = [g for g in optimizer.param_groups if {id(p) for p in g["params"]} & scorer_ids]
+    assert len(groups) == 1 and {id(p) for p in groups[0]["params"]} == scorer_ids
+    assert groups[0]["lr"] == pytest.approx(0.03) and groups[0]["weight_decay"] == 0.0
+    others = [g for g in optimizer.param_groups if g is not groups[0]]
+    assert all(g["lr"] == pytest.approx(0.01) for g in others)
+    plain = NatsForCausalLM(config.model.replace(layer_types=("gdn", "softmax")))
+    assert len(build_optimizer(plain, config).param_groups) == 2
+
+
+def test_routing_precision_counts_by_hand() -> None:
+    relevant = torch.zeros(2, 64, dtype=torch.bool)
+    relevant[0, 20] = relevant[1, 40] = relevant[1, 63] = True  # chunks 1; 2 and 3 (last)
+    assert informative_chunks(relevant, 16).tolist() == [[False, True, False, False],
+                                                         [False, False, True, True]]
+    sm = torch.tensor([[[1, 0], [1, 1], [0, 0], [1, 1]],   # [B, N, H]: 1 = softmax
+                       [[0, 0], [0, 0], [1, 0], [0, 0]]])
+    routes = torch.stack([sm, 1 - sm], -1).float()
+    precision = RoutingPrecision()
+    precision.add([routes, None], relevant, 16)
+    m = precision.metrics()
+    # Routable: chunks 0-2. Informative decisions: (row 0, chunk 1) x 2 heads, (row 1,
+    # chunk 2) x 2 heads -> 3 of 4 softmax. Filler: 8 decisions, 1 softmax.
+    assert m["eval/route_informative"] == pytest.approx(0.75)
+    assert m["eval/route_filler"] == pytest.approx(1 / 8)
+    assert m["eval/route_lift"] == pytest.approx(6.0)
+    assert m["eval/route_lift/layer0"] == pytest.approx(6.0)
+
+
+def test_a_budgeted_run_lands_on_its_target(micro: MicroConfig) -> None:
+    """An untuned target and rate: the controller alone has to bring the share there."""
+    config = micro(steps=120, seq_len=96, batch_size=8, lr=1e-2, eval_interval=120,
+                   eval_batches=4, route_explore=0.3, copy_symbols=16)
+    config = config.replace(model=config.model.replace(softmax_target=0.3, scorer_init="zero",
+                                                       scorer_norm=True))
+    metrics = train(config).eval_metrics
+    assert metrics["eval/route_frac"] == pytest.approx(0.3, abs=0.03)
+    for layer in (0, 1):
+        assert metrics[f"eval/route_frac/layer{layer}"] == pytest.approx(0.3, abs=0.06)
+
+
+def test_config_records_the_recipe(micro: MicroConfig) -> None:
+    config = micro(route_explore=0.25, budget_rate=0.1, router_lr_scale=2.0)
+    config = config.replace(model=config.model.replace(softmax_target=0.2, route_grad="both"))
+    again = type(config).from_dict(config.to_dict())
+    assert again == config and isinstance(again.model, NatsConfig)
