@@ -47,7 +47,7 @@ def _row(record: dict[str, Any], error: str | None) -> dict[str, Any]:
                            "node": record.get("node"), "gpus": record.get("gpus"),
                            "wall_s": _wall_s(record)}
     for name in ("chunk_size", "n_layers", "d_model", "n_heads", "softmax_heads_per_head",
-                 "reg_lambda"):
+                 "reg_lambda", "softmax_target"):
         row[name] = model.get(name)
     row["layer_types"] = "-".join(model.get("layer_types", []))
     for key, value in sorted(record.get("params", {}).items()):
@@ -133,18 +133,26 @@ def _cost_label(key: str, settings: Any) -> str:
     return f"{key} at {settings.context} tokens ({'FLOPs' if 'flops' in key else 'bytes'})"
 
 
+KNEE = 0.1
+"""The default pick's tolerance: the cheapest front trial whose quality is within this
+share of the front's quality range of the best."""
+
+
 def pick(results: SearchResults, choice: str | int | None = None) -> int:
     """The row to export: ``#N`` of the printed front (1-based) or a trial id; by default
-    the front's best quality (ties: the cheaper)."""
+    the knee of the front: the cheapest trial whose quality is within ``KNEE`` of the
+    front's quality range of the best (so a trial that costs a fraction of the best one for
+    nearly its quality is taken over it; with one objective, the best)."""
     if not results.front:
         raise ValueError("no trial finished with both objectives measured: nothing to pick")
     if choice is None:
         key, mode = results.settings.quality_key
         sign = 1.0 if mode == "min" else -1.0
         cost = results.settings.cost_key[0]
-        return min(results.front,
-                   key=lambda i: (sign * results.rows[i].get(key, float("inf")),
-                                  results.rows[i].get(cost, 0.0)))
+        scores = {i: sign * results.rows[i].get(key, float("inf")) for i in results.front}
+        best, worst = min(scores.values()), max(scores.values())
+        near = [i for i in results.front if scores[i] <= best + KNEE * (worst - best)]
+        return min(near, key=lambda i: (results.rows[i].get(cost, 0.0), scores[i]))
     text = str(choice).lstrip("#")
     if text.isdigit():
         n = int(text)

@@ -12,6 +12,7 @@ A space is a mapping, checked on load (a bad key or value raises :class:`SpaceEr
       # layers: {every: [1, 2], kind: nats, other: [gdn, softmax]}   # ... or a pattern
       softmax_heads_per_head: [1, 2, 4]
       linear_op: [gated_deltanet, gated_linear_attention]   # the linear operator
+      softmax_target: [0.125, 0.25, 0.5]  # NAtS-L layers' softmax budget
       reg_lambda: {low: 0.001, high: 0.3, log: true}  # a range: float, or int if both are
       lr: {low: 0.001, high: 0.01, log: true}
       d_model: 64                      # a single value: fixed for every trial
@@ -41,7 +42,7 @@ class SpaceError(ValueError):
 
 
 MODEL_PARAMS = ("chunk_size", "n_layers", "d_model", "n_heads", "softmax_heads_per_head",
-                "linear_op", "reg_lambda")
+                "linear_op", "reg_lambda", "softmax_target")
 """``params`` keys that set a ``NatsConfig`` field."""
 TRAIN_PARAMS = ("lr", "weight_decay", "warmup_steps", "batch_size", "steps")
 """``params`` keys that set a ``TrainConfig`` field."""
@@ -52,7 +53,7 @@ LAYER_KEYS_PATTERN = ("every", "kind", "other")
 INT_PARAMS = ("n_layers", "d_model", "n_heads", "softmax_heads_per_head", "warmup_steps",
               "batch_size", "steps")
 """Positive integers (``warmup_steps`` may be 0)."""
-FLOAT_PARAMS = ("reg_lambda", "lr", "weight_decay")
+FLOAT_PARAMS = ("reg_lambda", "lr", "weight_decay", "softmax_target")
 CHOICE_PARAMS = {"chunk_size": ("chunk sizes", CHUNK_SIZES), "linear_op": ("operators", LINEAR_OPS)}
 """Keys whose values come from a fixed set: a list of them, never a range."""
 
@@ -176,6 +177,9 @@ def _check_value(where: str, key: str, value: Any) -> None:
         least = 0 if key == "warmup_steps" else 1
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise _err(where, f"params.{key}", value, f"integers >= {least}")
+    elif key == "softmax_target":
+        if not _number(value) or not 0 < value < 1:
+            raise _err(where, f"params.{key}", value, "numbers in (0, 1)")
     elif key in FLOAT_PARAMS:
         least_ok = (lambda v: v >= 0) if key in ("reg_lambda", "weight_decay") else (
             lambda v: v > 0)

@@ -105,7 +105,7 @@ def test_a_trial_whose_worker_dies_resumes_from_its_checkpoint(tmp_path: Path, l
         while time.monotonic() < deadline:
             for path in (out / "trials").glob("*/search_trial.json"):
                 record = json.loads(path.read_text())
-                saved = path.parent / "checkpoints" / "step_00000100.safetensors"
+                saved = path.parent / "checkpoints" / "step_00000200.safetensors"
                 if saved.exists() and record["status"] == "running":
                     os.kill(record["pid"], signal.SIGKILL)
                     killed.append(record["pid"])
@@ -120,7 +120,7 @@ def test_a_trial_whose_worker_dies_resumes_from_its_checkpoint(tmp_path: Path, l
     (record_file,) = (out / "trials").glob("*/search_trial.json")
     record = json.loads(record_file.read_text())
     assert record["status"] == "done" and record["step"] == 300
-    assert record["pid"] != killed[0] and record["resumed_from"] >= 100
+    assert record["pid"] != killed[0] and record["resumed_from"] >= 200
     assert _rows(out)[0]["status"] == "done"
 
 
