@@ -94,6 +94,9 @@ class NatsConfig:
     linear_op: str = "gated_deltanet"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.layer_types, (list, tuple)):
+            _fail("layer_types", self.layer_types,
+                  f"a list of n_layers={self.n_layers} entries from {LAYER_TYPES}")
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "softmax_heads_per_head",
                      "head_dim_k", "head_dim_v", "conv_size"):
@@ -107,15 +110,17 @@ class NatsConfig:
                 _fail(name, value, "a positive finite number")
         if not isinstance(self.reg_lambda, (int, float)) or not 0 <= self.reg_lambda < math.inf:
             _fail("reg_lambda", self.reg_lambda, "a finite number >= 0")
-        if self.chunk_size not in CHUNK_SIZES:
+        for name in ("rope", "tie_embeddings", "scorer_norm"):
+            if not isinstance(getattr(self, name), bool):  # "false" would switch it on
+                _fail(name, getattr(self, name), "true or false")
+        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) \
+                or self.chunk_size not in CHUNK_SIZES:
             _fail("chunk_size", self.chunk_size, f"one of {CHUNK_SIZES}")
         for name, allowed in (("sampler", SAMPLERS), ("route_grad", ROUTE_GRADS),
                               ("scorer_init", SCORER_INITS), ("budget_scope", BUDGET_SCOPES),
                               ("output_gate", OUTPUT_GATES)):
             if getattr(self, name) not in allowed:
                 _fail(name, getattr(self, name), f"one of {allowed}")
-        if not isinstance(self.scorer_norm, bool):
-            _fail("scorer_norm", self.scorer_norm, "true or false")
         target = self.softmax_target
         if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
                                    or not 0 < target < 1):

@@ -149,6 +149,9 @@ class NatsForCausalLM(nn.Module):
         regs = [r.reg for r in routings if r is not None]
         out.reg_loss = torch.stack(regs).mean() if regs else logits.new_zeros(())
         if labels is not None:
+            if not (labels[:, 1:] != IGNORE_INDEX).any():
+                raise ValueError("labels hold no position with a loss (every next-token label "
+                                 f"is {IGNORE_INDEX}): the mean cross-entropy is undefined")
             out.ce_loss = next_token_cross_entropy(logits, labels)
             out.loss = out.ce_loss + out.reg_loss
         return out
@@ -221,10 +224,29 @@ class NatsForCausalLM(nn.Module):
         for name in (CONFIG_FILE, WEIGHTS_FILE):
             if not (directory / name).is_file():
                 raise FileNotFoundError(f"{directory} is not a saved nats model: no {name}")
-        config = NatsConfig.from_dict(json.loads((directory / CONFIG_FILE).read_text()))
-        state = load_file(str(directory / WEIGHTS_FILE), device=str(device))
+        try:
+            data = json.loads((directory / CONFIG_FILE).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{directory / CONFIG_FILE} is not valid JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{directory / CONFIG_FILE} must hold a JSON object, not "
+                             f"{type(data).__name__}")
+        config = NatsConfig.from_dict(data)
+        try:
+            state = load_file(str(directory / WEIGHTS_FILE), device=str(device))
+        except Exception as e:  # safetensors' own error types for a damaged file
+            raise ValueError(f"{directory / WEIGHTS_FILE} cannot be read "
+                             f"({type(e).__name__}: {e})") from None
+        if "embed.weight" not in state:
+            raise ValueError(f"{directory / WEIGHTS_FILE} holds no embed.weight: not the "
+                             "weights of a nats model")
         model = cls(config).to(state["embed.weight"].dtype)
-        if config.tie_embeddings and "embed.weight" in state:
+        if config.tie_embeddings:
             state["lm_head.weight"] = state["embed.weight"]
-        model.load_state_dict(state)
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as e:  # missing, unexpected or mis-shaped tensors
+            reason = " ".join(str(e).split())
+            raise ValueError(f"{directory / WEIGHTS_FILE} does not match {CONFIG_FILE}: "
+                             f"{reason[:300]}") from None
         return model.to(device)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from nats.atomic_write import atomic_write_bytes
+from nats.folder_lock import exclusive
 from nats.trainers import TrainConfig
 
 from .objectives import COSTS, MEASURED_COSTS, QUALITY, cost_metrics, objective_keys
@@ -434,9 +435,10 @@ def run_search(settings: SearchSettings, out: str | Path, *,
                               "choose another --out")
     if out.is_file():
         raise FileExistsError(f"--out {out} is a file, not a folder")
-    (out / "trials").mkdir(parents=True, exist_ok=True)
-    settings.save(out)
-    return _with_ray(address, lambda: _outcome(_tuner(settings, out).fit(), settings))
+    with exclusive(out, "search folder"):
+        (out / "trials").mkdir(parents=True, exist_ok=True)
+        settings.save(out)
+        return _with_ray(address, lambda: _outcome(_tuner(settings, out).fit(), settings))
 
 
 def resume_search(out: str | Path, *,
@@ -456,4 +458,5 @@ def resume_search(out: str | Path, *,
                                    resume_unfinished=True, resume_errored=True)
         return _outcome(tuner.fit(), settings)
 
-    return _with_ray(address, fit)
+    with exclusive(out, "search folder"):
+        return _with_ray(address, fit)

@@ -9,6 +9,7 @@ folder and renamed into place, so a crash leaves either the old or the new file.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -22,6 +23,22 @@ from safetensors.torch import load_file, save
 from nats.atomic_write import atomic_write_bytes
 
 FORMAT = "nats-checkpoint-1"
+
+
+class CorruptCheckpoint(ValueError):
+    """A checkpoint file that cannot be read, or whose tensors fail their digest."""
+
+
+def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over every tensor's name, dtype, shape and bytes, in name order: written
+    with a checkpoint and checked on load, so flipped bytes inside tensor data (which
+    safetensors loads without complaint) are caught instead of surfacing as a NaN loss."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 _NAME = re.compile(r"^step_(\d+)\.safetensors$")
 
 
@@ -70,7 +87,8 @@ def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module,
         for i, state in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"rng/cuda/{i}"] = state
     meta = {"format": FORMAT, "step": step, "config": config, "data_position": data_position,
-            "optimizer": {"param_groups": opt["param_groups"], "scalars": scalars}}
+            "optimizer": {"param_groups": opt["param_groups"], "scalars": scalars},
+            "digest": tensor_digest(tensors)}
     path = checkpoint_dir(out_dir) / f"step_{step:08d}.safetensors"
     atomic_write_bytes(path, save(tensors, metadata={"nats": json.dumps(meta)}))
     for _, old in list_checkpoints(out_dir)[:-keep]:
@@ -80,12 +98,27 @@ def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module,
 
 def read_checkpoint_meta(path: str | Path) -> dict[str, Any]:
     """The JSON part of a checkpoint: ``step``, ``config`` and optimizer scalars."""
-    with safe_open(str(path), framework="pt") as f:
-        raw = (f.metadata() or {}).get("nats")
-    meta = json.loads(raw) if raw else {}
-    if meta.get("format") != FORMAT:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            raw = (f.metadata() or {}).get("nats")
+        meta = json.loads(raw) if raw else {}
+    except Exception as e:  # safetensors raises its own error types for a damaged file
+        raise CorruptCheckpoint(f"{path} cannot be read ({type(e).__name__}: {e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"{path} is not a nats checkpoint ({FORMAT})")
     return meta
+
+
+def newest_readable(out_dir: str | Path, warn: Any = None) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint of a run whose metadata reads, with that metadata; each
+    newer one that does not read is reported through ``warn(message)``."""
+    for _, path in reversed(list_checkpoints(out_dir)):
+        try:
+            return path, read_checkpoint_meta(path)
+        except ValueError as e:
+            if warn is not None:
+                warn(f"nats: skipping checkpoint {path.name}: {e}")
+    return None
 
 
 @dataclass(frozen=True)
@@ -98,7 +131,13 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer) -> Restored:
     """Restore model, optimizer and RNG states in place; return the step and config."""
     meta = read_checkpoint_meta(path)
-    tensors = load_file(str(path))
+    try:
+        tensors = load_file(str(path))
+    except Exception as e:
+        raise CorruptCheckpoint(f"{path} cannot be read ({type(e).__name__}: {e})") from None
+    if "digest" in meta and tensor_digest(tensors) != meta["digest"]:
+        raise CorruptCheckpoint(f"{path} fails its digest: its tensor data changed after it "
+                                "was written")
     model.load_state_dict({k.removeprefix("model/"): v for k, v in tensors.items()
                            if k.startswith("model/")})
     state: dict[int, dict[str, Any]] = {

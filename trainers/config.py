@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 
 from nats.config import ConfigError, NatsConfig, fail, reject_unknown_fields
 
-from .checkpoint import latest_checkpoint, read_checkpoint_meta
+from .checkpoint import newest_readable
 from .synthetic import CopyTask, MQARTask, NeedleTask, SyntheticTask, TaskMixture
 
 TUPLE_FIELDS = ("data_paths", "mqar_pairs_mix")
@@ -377,7 +377,7 @@ def run_config(preset_name: str, overrides: dict[str, Any], resume: bool,
     if config_path is not None:
         base = config_from_file(config_path, base)
     out_dir = overrides.get("out_dir", base.out_dir)
-    path = latest_checkpoint(out_dir) if resume else None
-    if path is not None:
-        base = TrainConfig.from_dict(read_checkpoint_meta(path)["config"])
+    found = newest_readable(out_dir) if resume else None
+    if found is not None:
+        base = TrainConfig.from_dict(found[1]["config"])
     return base.replace(**overrides)

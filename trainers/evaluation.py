@@ -173,6 +173,9 @@ def evaluate(model: NatsForCausalLM, batches: list[Batch], device: torch.device,
             if p is not None:
                 layer.append(p[..., SOFTMAX].detach().float().flatten().cpu())
     model.train(was_training)
+    if tokens == 0:
+        raise ValueError(f"the {len(batches)} evaluation batches hold no labelled token: loss, "
+                         "perplexity and accuracy are undefined")
 
     n = len(batches)
     ce = ce_sum / max(tokens, 1)

@@ -1,7 +1,7 @@
 """The training loop: AdamW steps with accumulation, evaluation, TensorBoard, checkpoints.
 
-Ctrl-C does not kill a run: the first press finishes the current step, saves a
-checkpoint and returns (``interrupted=True``); a second press stops at once. Under
+Ctrl-C (or SIGTERM) does not kill a run: the first signal finishes the current step,
+saves a checkpoint and returns (``interrupted=True``); a second stops at once. Under
 ``torchrun`` the loop is data parallel (see :mod:`.distributed`).
 """
 
@@ -24,10 +24,13 @@ from tqdm import tqdm
 
 from nats import NatsConfig, NatsForCausalLM
 from nats.atomic_write import atomic_write_bytes
+from nats.folder_lock import exclusive
 from nats.model import next_token_cross_entropy
 
 from .checkpoint import (
+    CorruptCheckpoint,
     latest_checkpoint,
+    list_checkpoints,
     load_checkpoint,
     read_checkpoint_meta,
     save_checkpoint,
@@ -67,27 +70,36 @@ class TrainResult:
 
 
 class _StopRequest:
-    """Set by the first SIGINT; the loop checks it between steps."""
+    """Set by the first SIGINT (Ctrl-C) or SIGTERM (what ``kill`` and job schedulers send);
+    the loop checks it between steps, saves a checkpoint and returns."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
         self.requested = False
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.requested = True
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second press stops now
-        tqdm.write("nats: stopping after this step (press Ctrl-C again to stop now)")
+        # A second signal stops at once, as the default handlers do.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        name = signal.Signals(signum).name
+        tqdm.write(f"nats: {name}: stopping after this step and saving a checkpoint (send it "
+                   "again to stop now)")
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[_StopRequest]:
-        """Catch SIGINT while training; signals can only be caught on the main thread."""
+        """Catch the signals while training; signals can only be caught on the main
+        thread."""
         if threading.current_thread() is not threading.main_thread():
             yield self
             return
-        previous = signal.signal(signal.SIGINT, self._handle)
+        previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
         try:
             yield self
         finally:
-            signal.signal(signal.SIGINT, previous)
+            for s, handler in previous.items():
+                signal.signal(s, handler)
 
 
 def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
@@ -164,21 +176,35 @@ def _micro_mean(values: list[list[torch.Tensor | None]], layer: int) -> torch.Te
 
 def _start_or_resume(config: TrainConfig, resume: bool, model: NatsForCausalLM,
                      optimizer: torch.optim.Optimizer) -> int:
-    """The first step to run: 0 for a new run, the checkpoint's step when resuming."""
-    path = latest_checkpoint(config.out_dir)
-    if path is None:
+    """The first step to run: 0 for a new run, the checkpoint's step when resuming.
+
+    A newest checkpoint that cannot be read or fails its digest (a disk that filled up, a
+    copy cut short) is skipped with a warning for the older one ``keep_checkpoints`` kept.
+    """
+    found = list_checkpoints(config.out_dir)
+    if not found:
+        if resume:
+            tqdm.write(f"nats: {config.out_dir} holds no checkpoint: starting from step 0")
         if config.init_from is not None:
             _load_initial_weights(model, config)
         return 0
     if not resume:
-        raise FileExistsError(f"{config.out_dir} already holds a run ({path.name}); resume it "
-                              "(--resume) or choose another output folder (--out)")
-    saved = read_checkpoint_meta(path)["config"].get("model")
-    if saved is None or NatsConfig.from_dict(saved) != config.model:
-        raise ValueError(f"cannot resume {path}: it was trained with another model config")
-    restored = load_checkpoint(path, model, optimizer)
-    tqdm.write(f"nats: resuming from {path} at step {restored.step}")
-    return restored.step
+        raise FileExistsError(f"{config.out_dir} already holds a run ({found[-1][1].name}); "
+                              "resume it (--resume) or choose another output folder (--out)")
+    for _, path in reversed(found):
+        try:
+            saved = read_checkpoint_meta(path)["config"].get("model")
+            if saved is None or NatsConfig.from_dict(saved) != config.model:
+                raise ValueError(f"cannot resume {path}: it was trained with another model "
+                                 "config")
+            restored = load_checkpoint(path, model, optimizer)
+        except CorruptCheckpoint as e:
+            tqdm.write(f"nats: warning: skipping {path.name}: {e}")
+            continue
+        tqdm.write(f"nats: resuming from {path} at step {restored.step}")
+        return restored.step
+    raise ValueError(f"cannot resume {config.out_dir}: none of its {len(found)} checkpoints "
+                     "can be read (see the warnings above)")
 
 
 def _load_initial_weights(model: NatsForCausalLM, config: TrainConfig) -> None:
@@ -210,7 +236,10 @@ def train(config: TrainConfig, *, resume: bool = False,
     With ``resume``, training continues exactly where the newest checkpoint left off.
     Under ``torchrun`` every rank calls this; only rank 0 writes files.
     """
-    with joined_world(config.device) as (world, device):
+    # Only rank 0 writes, so only it holds the folder.
+    with joined_world(config.device) as (world, device), \
+            exclusive(config.out_dir, "run folder") if world.is_main \
+            else contextlib.nullcontext():
         return _train(config, resume, on_eval, world, device)
 
 

@@ -46,9 +46,10 @@ class RunLog:
 
     def __init__(self, out_dir: Path, resume_step: int, enabled: bool) -> None:
         self.out_dir = out_dir
-        # purge_step drops events a crashed run wrote after its last checkpoint.
-        self.writer = (SummaryWriter(str(out_dir), purge_step=resume_step or None)
-                       if enabled else None)
+        # purge_step drops events a crashed run wrote after its last checkpoint; those of
+        # the checkpoint's own step were written before it and are not repeated.
+        self.writer = (SummaryWriter(str(out_dir), purge_step=resume_step + 1 if resume_step
+                                     else None) if enabled else None)
 
     def config(self, config_json: str) -> None:
         if self.writer:

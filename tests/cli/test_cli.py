@@ -161,7 +161,11 @@ def test_mqar_run_exports_and_its_architecture_retrains(tmp_path: Path) -> None:
     assert warm_acc > 0.9  # it starts where the exported model stopped
 
 
-def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_signal_saves_a_checkpoint_and_resume_continues(tmp_path: Path,
+                                                          sig: signal.Signals) -> None:
+    """Ctrl-C, or the SIGTERM that kill and job schedulers send; while the run is alive, a
+    second writer of its folder is refused in one line naming it."""
     run = tmp_path / "run"
     args = ["--preset", "tiny", "--batch-size", "2", "--seq-len", "32", "--device", "cpu",
             "--out", str(run)]
@@ -172,7 +176,11 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tmp_path: Path) -> None:
     for line in proc.stdout:  # the handler is installed once this line is printed
         if line.startswith("nats: training"):
             break
-    proc.send_signal(signal.SIGINT)
+    second = _nats("train", "--resume", "--out", str(run), "--steps", "5")
+    assert second.returncode == 2
+    assert second.stderr == f"nats: error: run folder {run} is in use by process {proc.pid}; " \
+                            "wait for it to finish or choose another folder\n"
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "nats train --resume --out" in err
@@ -195,7 +203,7 @@ def test_bad_search_space_file_is_one_line(tmp_path: Path) -> None:
                           "invalid: must be chunk sizes from (16, 32, 64, 128, 256)\n"
     assert not (tmp_path / "search").exists()
     listed = _nats("search", "--list-spaces")
-    assert listed.returncode == 0 and "chunk-and-mix (default)" in listed.stdout
+    assert listed.returncode == 0 and "hybrid (default)" in listed.stdout
 
 
 def test_kernel_benchmark_needs_a_gpu(capsys) -> None:

@@ -23,6 +23,11 @@ from nats import ConfigError, NatsConfig
                                  r"'deltanet', 'gated_linear_attention', 'linear_attention'\)"),
         ({"rope": True, "head_dim_k": 6, "head_dim_v": 6, "softmax_heads_per_head": 2},
          r"NatsConfig\.rope = True .*odd"),
+        # Strings that read as false in JSON would switch the feature on.
+        ({"rope": "false"}, r"NatsConfig\.rope = 'false' .*true or false"),
+        ({"tie_embeddings": "false"}, r"NatsConfig\.tie_embeddings = 'false' .*true or false"),
+        ({"chunk_size": 16.0}, r"NatsConfig\.chunk_size = 16\.0 .*one of"),
+        ({"layer_types": None}, r"NatsConfig\.layer_types = None .*a list"),
     ],
 )
 def test_bad_values_name_the_field_and_allowed_values(changes, message):

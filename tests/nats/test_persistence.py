@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nats import NatsForCausalLM
+from nats import NatsConfig, NatsForCausalLM
 
 from .models import tiny_model
 
@@ -60,3 +60,33 @@ def test_weights_of_a_softmax_layer_without_short_convolution_are_refused_in_one
     assert "\n" not in str(error.value)
     with pytest.raises(ValueError, match=message):
         tiny_model(("gdn", "softmax")).load_state_dict(state, strict=False)
+
+
+def test_damaged_model_folders_are_one_line_errors(tmp_path) -> None:
+    """What `nats info`, `generate`, `analyze` and `--init-from` meet in a folder someone
+    sent or a copy cut short: a ValueError naming the file, never a library traceback."""
+    good = tmp_path / "good"
+    NatsForCausalLM(NatsConfig()).save_pretrained(good)
+    cases = {}
+    for name, change in {
+        "list": lambda d: (d / "config.json").write_text("[1, 2]"),
+        "null-layers": lambda d: (d / "config.json").write_text(json.dumps(
+            {**json.loads((good / "config.json").read_text()), "layer_types": None})),
+        "truncated": lambda d: (d / "model.safetensors").write_bytes(
+            (good / "model.safetensors").read_bytes()[:1000]),
+        "other-shape": lambda d: (d / "config.json").write_text(json.dumps(
+            {**json.loads((good / "config.json").read_text()), "d_model": 64})),
+    }.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        for f in ("config.json", "model.safetensors"):
+            (folder / f).write_bytes((good / f).read_bytes())
+        change(folder)
+        with pytest.raises(ValueError) as caught:
+            NatsForCausalLM.from_pretrained(folder)
+        cases[name] = str(caught.value)
+    assert "config.json must hold a JSON object, not list" in cases["list"]
+    assert "layer_types = None" in cases["null-layers"]
+    assert "model.safetensors cannot be read" in cases["truncated"]
+    assert "model.safetensors does not match config.json" in cases["other-shape"]
+    assert all("\n" not in message for message in cases.values())

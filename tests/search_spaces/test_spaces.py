@@ -25,10 +25,15 @@ def test_builtin_spaces_load_and_fit_the_default_base() -> None:
 
 def test_fixed_trial_gives_the_expected_config() -> None:
     space = load_space("chunk-and-mix")
-    params = {"chunk_size": 32, "layer0": "gdn", "layer1": "nats", "reg_lambda": 0.05}
+    params = {"chunk_size": 32, "layer0": "gdn", "layer1": "nats", "softmax_target": 0.125}
     got = space.sample(FixedTrial(params), BASE)
-    model = BASE.model.replace(chunk_size=32, layer_types=("gdn", "nats"), reg_lambda=0.05)
+    model = BASE.model.replace(chunk_size=32, layer_types=("gdn", "nats"), softmax_target=0.125)
     assert got == BASE.replace(model=model)
+
+
+def test_the_budget_is_checked_as_a_share() -> None:
+    with pytest.raises(SpaceError, match=r"params.softmax_target = 1.5 .*numbers in \(0, 1\)"):
+        space_from_dict({"params": {"softmax_target": [0.25, 1.5]}})
 
 
 def test_per_layer_choices_follow_the_depth() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,55 @@ def test_rejects_foreign_safetensors(tmp_path: Path) -> None:
     save_file({"w": torch.zeros(2)}, str(tmp_path / "w.safetensors"))
     with pytest.raises(ValueError, match="not a nats checkpoint"):
         read_checkpoint_meta(tmp_path / "w.safetensors")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped byte"])
+def test_resume_falls_back_past_a_damaged_newest_checkpoint(micro: MicroConfig, capsys,
+                                                            damage: str) -> None:
+    """A newest checkpoint cut short (a full disk, an interrupted copy) or with a byte
+    changed inside its tensor data (which safetensors loads without complaint) is skipped
+    with a warning; the run resumes from the older one and ends as if never damaged."""
+    from nats.trainers import train
+
+    straight = train(micro(steps=6, checkpoint_interval=2,
+                           out_dir=str(Path(micro().out_dir).parent / "straight")))
+    config = micro(steps=4, checkpoint_interval=2, keep_checkpoints=2)
+    train(config)
+    newest = latest_checkpoint(config.out_dir)
+    assert newest.name == "step_00000004.safetensors"
+    data = bytearray(newest.read_bytes())
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    else:
+        data[-100] ^= 0x01  # inside the last tensor's bytes, past header and metadata
+    newest.write_bytes(bytes(data))
+    resumed = train(config.replace(steps=6), resume=True)
+    out = capsys.readouterr().out
+    assert "warning: skipping step_00000004.safetensors" in out
+    assert "resuming from" in out and "at step 2" in out
+    assert resumed.step == 6
+    assert resumed.train_losses == straight.train_losses[2:]
+
+
+def test_resume_with_no_checkpoint_says_it_starts_over(micro: MicroConfig, capsys) -> None:
+    from nats.trainers import train
+
+    result = train(micro(steps=1), resume=True)
+    assert result.step == 1 and "holds no checkpoint: starting from step 0" in \
+        capsys.readouterr().out
+
+
+def test_atomic_writes_clean_up_after_a_killed_writer_and_keep_normal_permissions(
+        tmp_path: Path) -> None:
+    """A writer killed mid-write leaves ``.NAME.*.tmp`` behind (145-254 MB for a checkpoint);
+    the next write of that file removes it. Files get the umask's permissions, not 0600."""
+    target = tmp_path / "model.safetensors"
+    stale = tmp_path / ".model.safetensors.abc123.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    other = tmp_path / ".config.json.xyz.tmp"  # another file's: not this write's business
+    other.write_bytes(b"{")
+    atomic_write_bytes(target, b"new")
+    assert target.read_bytes() == b"new" and not stale.exists() and other.exists()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert target.stat().st_mode & 0o777 == 0o666 & ~umask

@@ -71,3 +71,16 @@ def test_evaluation_leaves_training_mode_as_it_was() -> None:
     x = torch.randint(0, 8, (1, 8))
     evaluate(model, [(x, x)], torch.device("cpu"))
     assert model.training
+
+
+def test_labels_without_a_loss_position_are_an_error_not_a_number() -> None:
+    """An all -100 batch used to give a NaN loss (model) or loss 0 and perplexity 1
+    (evaluate): numbers that look fine and are wrong."""
+    model = NatsForCausalLM(NatsConfig(vocab_size=50, d_model=32, head_dim_k=16,
+                                       head_dim_v=16, chunk_size=16))
+    x = torch.randint(0, 50, (2, 20))
+    masked = torch.full_like(x, -100)
+    with pytest.raises(ValueError, match="no position with a loss"):
+        model(x, labels=masked)
+    with pytest.raises(ValueError, match="hold no labelled token"):
+        evaluate(model, [(x, masked)], torch.device("cpu"))

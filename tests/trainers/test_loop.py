@@ -52,6 +52,10 @@ def test_ctrl_c_then_resume_equals_an_uninterrupted_run(micro: MicroConfig,
                                  second.model.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     assert second.eval_metrics == straight.eval_metrics
+    # TensorBoard: every step's loss once, the checkpoint step's included.
+    events = EventAccumulator(config.out_dir, size_guidance={"scalars": 0})
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
 
 
 def test_refuses_to_overwrite_a_run(micro: MicroConfig) -> None:
