@@ -39,6 +39,10 @@ def add_search_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
                    help=f"search folder, local or shared (default {DEFAULT_OUT})")
     p.add_argument("--resume", metavar="DIR", help="continue an interrupted search")
+    p.add_argument("--trust-tune-state", action="store_true",
+                   help="with --resume: restore Ray Tune's state (pickles) even without this "
+                        "user's signature, e.g. after the driver was killed (only for a "
+                        "folder you made)")
     p.add_argument("--metric", choices=tuple(QUALITY), default="loss",
                    help="quality objective (default loss: eval cross-entropy)")
     p.add_argument("--cost", choices=tuple(COSTS), default="flops",
@@ -151,7 +155,8 @@ def search_command(args: argparse.Namespace) -> int:
                          "(or `nats search show DIR`)")
     if args.resume is not None:
         out = Path(args.resume).resolve()
-        return _finish(out, resume_search(out, address=args.address), args.pick)
+        return _finish(out, resume_search(out, address=args.address,
+                                          trust_tune_state=args.trust_tune_state), args.pick)
     space = load_space(args.space)
     storage = args.optuna_storage
     if storage is not None and "://" not in storage:

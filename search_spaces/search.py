@@ -27,6 +27,7 @@ from nats.atomic_write import atomic_write_bytes
 from nats.folder_lock import exclusive
 from nats.trainers import TrainConfig
 
+from . import tune_state
 from .objectives import COSTS, MEASURED_COSTS, QUALITY, cost_metrics, objective_keys
 from .spaces import DefineByRun, SearchSpace, check_space_fits, space_from_dict
 
@@ -438,13 +439,18 @@ def run_search(settings: SearchSettings, out: str | Path, *,
     with exclusive(out, "search folder"):
         (out / "trials").mkdir(parents=True, exist_ok=True)
         settings.save(out)
-        return _with_ray(address, lambda: _outcome(_tuner(settings, out).fit(), settings))
+        try:
+            return _with_ray(address, lambda: _outcome(_tuner(settings, out).fit(), settings))
+        finally:
+            tune_state.sign(out / TUNE_NAME, out)
 
 
-def resume_search(out: str | Path, *,
-                  address: str | None = None) -> FitOutcome:
+def resume_search(out: str | Path, *, address: str | None = None,
+                  trust_tune_state: bool = False) -> FitOutcome:
     """Continue the search in ``out`` (``Tuner.restore``): finished trials are kept,
-    unfinished ones resume from their checkpoints, errored ones are retried."""
+    unfinished ones resume from their checkpoints, errored ones are retried. The Tune
+    state is restored only if it carries this user's signature (:mod:`.tune_state`) or
+    ``trust_tune_state`` says to trust it."""
     from ray import tune
 
     out = Path(out).resolve()
@@ -459,4 +465,9 @@ def resume_search(out: str | Path, *,
         return _outcome(tuner.fit(), settings)
 
     with exclusive(out, "search folder"):
-        return _with_ray(address, fit)
+        if not trust_tune_state:
+            tune_state.verify(path, out)
+        try:
+            return _with_ray(address, fit)
+        finally:
+            tune_state.sign(path, out)

@@ -236,15 +236,12 @@ def train(config: TrainConfig, *, resume: bool = False,
     With ``resume``, training continues exactly where the newest checkpoint left off.
     Under ``torchrun`` every rank calls this; only rank 0 writes files.
     """
-    # Only rank 0 writes, so only it holds the folder.
-    with joined_world(config.device) as (world, device), \
-            exclusive(config.out_dir, "run folder") if world.is_main \
-            else contextlib.nullcontext():
-        return _train(config, resume, on_eval, world, device)
+    with joined_world(config.device) as (world, device), contextlib.ExitStack() as hold:
+        return _train(config, resume, on_eval, world, device, hold)
 
 
 def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, world: World,
-           device: torch.device) -> TrainResult:
+           device: torch.device, hold: contextlib.ExitStack) -> TrainResult:
     if config.batch_size % (world.size * config.grad_accum_steps):
         raise ValueError(f"TrainConfig.batch_size = {config.batch_size} is invalid: must be "
                          f"a multiple of {world.size} processes x grad_accum_steps = "
@@ -264,6 +261,8 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
     model = NatsForCausalLM(config.model).to(device)
     optimizer = build_optimizer(model, config)
     step = _start_or_resume(config, resume, model, optimizer)
+    if world.is_main:  # the only writer; taken once the inputs proved good, before a write
+        hold.enter_context(exclusive(config.out_dir, "run folder"))
     ddp = DistributedDataParallel(model) if world.size > 1 else None
     forward = ddp or model
     if config.compile:

@@ -223,7 +223,7 @@ def test_refusals(run: Path, tmp_path: Path) -> None:
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
     save_file({"w": torch.zeros(1)}, str(tmp_path / "plain.safetensors"))
     for bad in ("junk.safetensors", "plain.safetensors"):
-        with pytest.raises(ValueError, match="is not a nats checkpoint"):
+        with pytest.raises(ValueError, match=r"cannot be read|is not a nats checkpoint"):
             export_architecture(tmp_path / bad, tmp_path / "x")
     assert not (tmp_path / "x").exists()
 

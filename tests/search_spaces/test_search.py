@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import pickle
 import signal
 import threading
 import time
@@ -21,6 +22,13 @@ ray = pytest.importorskip("ray")
 
 TINY = ["--steps", "6", "--cpus-per-trial", "1"]
 """The mqar-search base at 6 steps: a trial trains in about a second."""
+
+
+@pytest.fixture(autouse=True)
+def state_key(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The signing key of the Tune state: a test's own, not the user's."""
+    monkeypatch.setenv("NATS_STATE_KEY_FILE",
+                       str(tmp_path_factory.mktemp("key") / "search-state.key"))
 
 
 @pytest.fixture(scope="module")
@@ -194,3 +202,30 @@ def test_a_refused_cluster_connection_names_token_authentication(monkeypatch, ca
     with pytest.raises(ConnectionError) as refused:
         search._ray_init("10.0.0.1:6379")
     assert str(refused.value) == "Failed to connect to Ray cluster at 10.0.0.1:6379"
+
+
+class _Planted:
+    """A pickle that, when loaded, creates a file: what a crafted folder could carry."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, "ran"))
+
+
+def test_resume_restores_only_tune_state_this_user_signed(tmp_path: Path, local_ray,
+                                                           capsys) -> None:
+    out = tmp_path / "search"
+    assert main(["search", *TINY, "--num-trials", "1", "--out", str(out)]) == 0
+    assert (out / "tune_state.sig").is_file()
+    marker = tmp_path / "planted-code-ran"
+    tuner_pkl = next((out / "tune").rglob("tuner.pkl"))
+    tuner_pkl.write_bytes(pickle.dumps(_Planted(marker)))
+    assert main(["search", "--resume", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "does not match its signature" in err and err.count("\n") == 1
+    assert not marker.exists()
+    (out / "tune_state.sig").unlink()  # a driver killed before it signed
+    assert main(["search", "--resume", str(out)]) == 2
+    assert "is not signed" in capsys.readouterr().err and not marker.exists()
