@@ -286,6 +286,17 @@ def _optuna_storage(url: str | None) -> Any:
     return JournalStorage(JournalFileBackend(str(Path(url).resolve())))
 
 
+def _check_storage(settings: SearchSettings, out: Path) -> None:
+    """Open the Optuna storage before Ray starts, so that a bad ``--optuna-storage`` is one
+    line and leaves no half-made search behind."""
+    try:
+        _optuna_storage(study_storage(settings, out) if settings.optuna_storage else None)
+    except Exception as e:  # SQLAlchemy, drivers and Optuna each have their own errors
+        reason = " ".join(str(e).split())[:200]
+        raise ValueError(f"--optuna-storage {settings.optuna_storage!r} cannot be opened "
+                         f"({type(e).__name__}: {reason})") from None
+
+
 def study_storage(settings: SearchSettings, out: Path) -> str:
     """Where the search in ``out`` keeps its Optuna study: ``--optuna-storage``, else the
     journal file :data:`STUDY_FILE` in ``out``."""
@@ -436,6 +447,7 @@ def run_search(settings: SearchSettings, out: str | Path, *,
                               "choose another --out")
     if out.is_file():
         raise FileExistsError(f"--out {out} is a file, not a folder")
+    _check_storage(settings, out)
     with exclusive(out, "search folder"):
         (out / "trials").mkdir(parents=True, exist_ok=True)
         settings.save(out)
@@ -458,15 +470,20 @@ def resume_search(out: str | Path, *, address: str | None = None,
     path = out / TUNE_NAME
 
     def fit() -> FitOutcome:
+        if tune.Tuner.can_restore(str(path)) and not trust_tune_state:
+            tune_state.verify(path, out)
         if not tune.Tuner.can_restore(str(path)):
-            raise FileNotFoundError(f"{path} holds no Ray Tune experiment state to resume")
+            # Killed before Ray saved anything: start again from the saved settings (the
+            # trials of the first start, if any, never reported and are not counted).
+            print(f"nats: {out} holds no Ray Tune state yet: starting the search again "
+                  "from its settings")
+            return _outcome(_tuner(settings, out).fit(), settings)
         tuner = tune.Tuner.restore(str(path), trainable=_trainable(settings, out),
                                    resume_unfinished=True, resume_errored=True)
         return _outcome(tuner.fit(), settings)
 
+    _check_storage(settings, out)
     with exclusive(out, "search folder"):
-        if not trust_tune_state:
-            tune_state.verify(path, out)
         try:
             return _with_ray(address, fit)
         finally:

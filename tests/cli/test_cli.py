@@ -67,6 +67,7 @@ def _nats(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
     ["export", "/no/such/run"],
     ["export", ".", "--out", "exported", "--eval-batches", "some"],
     ["search", "--space", "no-such-space"],
+    ["search", "--optuna-storage", "bogus://"],
     ["search", "--space", "."],
     ["search", "--num-trials", "0"],
     ["search", "--steps", "0"],

@@ -7,6 +7,7 @@ import csv
 import json
 import os
 import pickle
+import shutil
 import signal
 import threading
 import time
@@ -229,3 +230,18 @@ def test_resume_restores_only_tune_state_this_user_signed(tmp_path: Path, local_
     (out / "tune_state.sig").unlink()  # a driver killed before it signed
     assert main(["search", "--resume", str(out)]) == 2
     assert "is not signed" in capsys.readouterr().err and not marker.exists()
+
+
+def test_a_search_killed_before_ray_saved_anything_starts_again(tmp_path: Path, local_ray,
+                                                                 capsys) -> None:
+    """Only search.json (and perhaps trial folders that never reported): neither resumable
+    nor re-runnable before; --resume now starts it again from its settings."""
+    out = tmp_path / "search"
+    assert main(["search", *TINY, "--num-trials", "1", "--out", str(out)]) == 0
+    for gone in ("tune", "trials"):
+        shutil.rmtree(out / gone)
+    for gone in ("tune_state.sig", "results.csv", "pareto.json", "optuna_study.journal"):
+        (out / gone).unlink()
+    assert main(["search", "--resume", str(out)]) == 0
+    assert "starting the search again from its settings" in capsys.readouterr().out
+    assert len(_check_consistent(out)["rows"]) == 1
