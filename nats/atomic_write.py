@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
 
 
 def _process_umask() -> int:
-    mask = os.umask(0)  # reading it means setting it: done once, at import
+    """The umask, read from ``/proc`` where it can be (setting it to read it back would
+    give another thread's files mode 0666 for that moment), else set and restored once."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0)
     os.umask(mask)
     return mask
 
@@ -48,5 +57,8 @@ def _fsync_dir(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as e:  # some network and FUSE file systems cannot sync a folder
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
     finally:
         os.close(fd)

@@ -185,9 +185,11 @@ class NatsConfig:
         """
         fields = {k: v for k, v in d.items() if k not in LAYER_LISTS}
         reject_unknown_fields(cls, fields)
-        # Files written before the recipe fields existed describe models trained (and
-        # shaped: the output gate has weights) the official way.
-        fields = {**{k: v for k, v in OFFICIAL_RECIPE.items() if k not in fields}, **fields}
+        # A complete dump (``to_dict`` writes every field) without the recipe fields was
+        # written before they existed: its model was trained, and shaped (the output gate
+        # has weights), the official way. A hand-written partial file takes the defaults.
+        if set(fields) >= DUMP_FIELDS and not set(OFFICIAL_RECIPE) & set(fields):
+            fields = {**OFFICIAL_RECIPE, **fields}
         config = cls(**fields)
         for key, kind in LAYER_LISTS.items():
             expected = list(config.layers_of(kind))
@@ -211,6 +213,10 @@ OFFICIAL_RECIPE: dict[str, Any] = {
 NeuralAttentionSearchLinear, 340M config): only the chosen option's route gradient, a
 raw pooled input, the scorer drawn like every weight, no budget and a SiLU output gate.
 The defaults differ where docs/RESULTS.md measured that they train better."""
+
+DUMP_FIELDS = frozenset({"sampler", "gumbel_tau", "reg_lambda", "norm_eps",
+                         "initializer_range", "tie_embeddings"})
+"""Fields that every ``to_dict`` dump has held, and hand-written configs seldom do."""
 
 
 def reject_unknown_fields(cls: type, data: dict[str, Any]) -> None:

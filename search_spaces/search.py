@@ -470,9 +470,7 @@ def resume_search(out: str | Path, *, address: str | None = None,
     path = out / TUNE_NAME
 
     def fit() -> FitOutcome:
-        if tune.Tuner.can_restore(str(path)) and not trust_tune_state:
-            tune_state.verify(path, out)
-        if not tune.Tuner.can_restore(str(path)):
+        if not restorable:
             # Killed before Ray saved anything: start again from the saved settings (the
             # trials of the first start, if any, never reported and are not counted).
             print(f"nats: {out} holds no Ray Tune state yet: starting the search again "
@@ -484,6 +482,9 @@ def resume_search(out: str | Path, *, address: str | None = None,
 
     _check_storage(settings, out)
     with exclusive(out, "search folder"):
+        restorable = tune.Tuner.can_restore(str(path))
+        if restorable and not trust_tune_state:
+            tune_state.verify(path, out)  # before the try: refused state is never signed
         try:
             return _with_ray(address, fit)
         finally:

@@ -13,11 +13,13 @@ safetensors or images, which nothing executes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
 import os
 import secrets
+import tempfile
 from pathlib import Path
 
 from nats.atomic_write import atomic_write_bytes
@@ -30,14 +32,31 @@ def key_file() -> Path:
     return Path(os.environ.get("NATS_STATE_KEY_FILE", default))
 
 
+KEY_BYTES = 32
+
+
 def _key() -> bytes:
+    """The user's key, made on first use: written whole to a private temporary file and
+    linked into place, so two first uses at once agree on one key and none reads half."""
     path = key_file()
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(secrets.token_bytes(32))
-    return path.read_bytes()
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".key.")  # mode 0600
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(KEY_BYTES))
+                f.flush()
+                os.fsync(f.fileno())
+            with contextlib.suppress(FileExistsError):  # another made it first: use theirs
+                os.link(tmp, path)
+        finally:
+            os.unlink(tmp)
+    key = path.read_bytes()
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"{path} is not a search-state key ({len(key)} bytes, not "
+                         f"{KEY_BYTES}); delete it to make a new one (searches signed with "
+                         "the old key will then need --trust-tune-state)")
+    return key
 
 
 def _digest(tune_dir: Path) -> tuple[str, int]:

@@ -121,6 +121,26 @@ def newest_readable(out_dir: str | Path, warn: Any = None) -> tuple[Path, dict[s
     return None
 
 
+def _from_legacy_groups(state: dict[int, dict[str, Any]], groups: list[dict[str, Any]],
+                        now: list[dict[str, Any]], model: torch.nn.Module, path: str | Path,
+                        ) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
+    """The optimizer state of a checkpoint written before the scorers had a group of their
+    own (two groups: matrices, then vectors), renumbered for today's groups."""
+    if len(groups) != 2 or len(now) != 3:
+        raise ValueError(f"cannot resume {path}: its optimizer has {len(groups)} parameter "
+                         f"groups, this run's {len(now)}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    legacy = [p for p in params if p.dim() >= 2] + [p for p in params if p.dim() < 2]
+    scorers = {id(p) for name, p in model.named_parameters() if ".scorer." in name}
+    current = ([p for p in params if p.dim() >= 2 and id(p) not in scorers]
+               + [p for p in params if p.dim() < 2 and id(p) not in scorers]
+               + [p for p in params if id(p) in scorers])
+    index = {id(p): i for i, p in enumerate(current)}
+    state = {index[id(legacy[i])]: values for i, values in state.items()}
+    return state, [{**saved, "params": fresh["params"]} for saved, fresh in
+                   zip([groups[0], groups[1], groups[0]], now, strict=True)]
+
+
 @dataclass(frozen=True)
 class Restored:
     step: int
@@ -146,8 +166,17 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module,
         if key.startswith("optimizer/"):
             _, idx, name = key.split("/", 2)
             state.setdefault(int(idx), {})[name] = value
-    optimizer.load_state_dict({"state": state,
-                               "param_groups": meta["optimizer"]["param_groups"]})
+    groups = meta["optimizer"]["param_groups"]
+    now = optimizer.state_dict()["param_groups"]
+    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in now]:
+        state, groups = _from_legacy_groups(state, groups, now, model, path)
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    for group, fresh in zip(optimizer.param_groups, now, strict=True):
+        # What the run's config sets (weight decay, the scorers' rate) is the config's now,
+        # not the checkpoint's: a resume may change them.
+        for key in ("weight_decay", "lr_scale"):
+            if key in fresh:
+                group[key] = fresh[key]
     torch.set_rng_state(tensors["rng/cpu"])
     n_cuda = sum(k.startswith("rng/cuda/") for k in tensors)
     if n_cuda and torch.cuda.is_available():

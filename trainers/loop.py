@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from nats import NatsConfig, NatsForCausalLM
 from nats.atomic_write import atomic_write_bytes
-from nats.folder_lock import exclusive
+from nats.folder_lock import FolderBusy, exclusive
 from nats.model import next_token_cross_entropy
 
 from .checkpoint import (
@@ -175,11 +175,12 @@ def _micro_mean(values: list[list[torch.Tensor | None]], layer: int) -> torch.Te
 
 
 def _start_or_resume(config: TrainConfig, resume: bool, model: NatsForCausalLM,
-                     optimizer: torch.optim.Optimizer) -> int:
+                     optimizer: torch.optim.Optimizer, skipped: list[Path]) -> int:
     """The first step to run: 0 for a new run, the checkpoint's step when resuming.
 
     A newest checkpoint that cannot be read or fails its digest (a disk that filled up, a
-    copy cut short) is skipped with a warning for the older one ``keep_checkpoints`` kept.
+    copy cut short) is skipped with a warning for the older one ``keep_checkpoints`` kept,
+    and added to ``skipped``.
     """
     found = list_checkpoints(config.out_dir)
     if not found:
@@ -200,11 +201,39 @@ def _start_or_resume(config: TrainConfig, resume: bool, model: NatsForCausalLM,
             restored = load_checkpoint(path, model, optimizer)
         except CorruptCheckpoint as e:
             tqdm.write(f"nats: warning: skipping {path.name}: {e}")
+            skipped.append(path)
             continue
         tqdm.write(f"nats: resuming from {path} at step {restored.step}")
         return restored.step
     raise ValueError(f"cannot resume {config.out_dir}: none of its {len(found)} checkpoints "
                      "can be read (see the warnings above)")
+
+
+def _hold_folder(config: TrainConfig, world: World, device: torch.device,
+                 hold: contextlib.ExitStack) -> None:
+    """Rank 0, the only writer, locks the run folder once the inputs proved good and before
+    any write; every rank learns whether it could, so none waits for a rank that left."""
+    busy: FolderBusy | None = None
+    if world.is_main:
+        try:
+            hold.enter_context(exclusive(config.out_dir, "run folder"))
+        except FolderBusy as e:
+            busy = e
+    if busy is not None:
+        if world.size > 1:
+            world.sum(torch.ones(1, device=device))
+        raise busy
+    if world.size > 1 and float(world.sum(torch.zeros(1, device=device))) > 0:
+        raise FolderBusy(f"run folder {config.out_dir} is in use by another process (rank 0 "
+                         "could not lock it)")
+
+
+def _stop_agreed(stop: _StopRequest, world: World, device: torch.device) -> bool:
+    """Whether any rank was asked to stop: SIGTERM reaches ranks at different moments, and
+    a rank that left alone would leave the others waiting in the next all-reduce."""
+    if world.size == 1:
+        return stop.requested
+    return float(world.sum(torch.tensor([float(stop.requested)], device=device))) > 0
 
 
 def _load_initial_weights(model: NatsForCausalLM, config: TrainConfig) -> None:
@@ -260,9 +289,12 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
     torch.manual_seed(config.seed)
     model = NatsForCausalLM(config.model).to(device)
     optimizer = build_optimizer(model, config)
-    step = _start_or_resume(config, resume, model, optimizer)
-    if world.is_main:  # the only writer; taken once the inputs proved good, before a write
-        hold.enter_context(exclusive(config.out_dir, "run folder"))
+    skipped: list[Path] = []
+    step = _start_or_resume(config, resume, model, optimizer, skipped)
+    _hold_folder(config, world, device, hold)
+    if world.is_main:
+        for path in skipped:  # out of the way of latest_checkpoint, export and pruning
+            path.rename(path.with_name(path.name + ".corrupt"))
     ddp = DistributedDataParallel(model) if world.size > 1 else None
     forward = ddp or model
     if config.compile:
@@ -298,7 +330,7 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
                 tqdm.write(f"nats: training {n_params:,} parameters on '{config.task}' ({device}"
                            f"{f' x {world.size} processes' if world.size > 1 else ''}), "
                            f"steps {step} -> {config.steps}, writing to {out_dir}")
-            while step < config.steps and not stop.requested:
+            while step < config.steps and not _stop_agreed(stop, world, device):
                 lr = lr_at(step, config)
                 set_lr(optimizer, lr)
                 noise = exploration_noise(step, config)

@@ -137,7 +137,7 @@ class BudgetedScores(nn.Module):
             # of the scorer's gradient that every chunk shares would only move all scores
             # together (without it, concentrated recall was not learned: docs/RESULTS.md).
             mean = d[:, :-1].mean((0, 1))
-            d = d - mean + mean.detach()
+            d = d - (mean - mean.detach())  # adds exactly 0: training routes as evaluation
         z = self.moments.standardise(d, self.eps)
         return torch.stack([z + self.route_bias, torch.zeros_like(z)], -1)
 

@@ -181,3 +181,14 @@ def test_cost_term_and_routable_share_leave_out_the_last_chunk():
         routing.routes[:, :4, :, 0].mean().item())
     _, single = layer(torch.randn(2, 10, 32, dtype=torch.float64))
     assert single.reg.item() == 0 and math.isnan(single.routable_frac.item())
+
+
+def test_old_dumps_load_with_the_official_recipe_and_partial_files_with_the_defaults():
+    from nats.config import OFFICIAL_RECIPE
+
+    old = {k: v for k, v in NatsConfig().to_dict().items() if k not in OFFICIAL_RECIPE}
+    assert NatsConfig.from_dict(old) == NatsConfig().official_recipe()
+    partial = {"d_model": 64, "head_dim_k": 32, "head_dim_v": 32, "chunk_size": 16}
+    assert NatsConfig.from_dict(partial) == NatsConfig(**partial)
+    mixed = {**old, "softmax_target": 0.5}  # any recipe key: a file of this version
+    assert NatsConfig.from_dict(mixed) == NatsConfig().replace(softmax_target=0.5)

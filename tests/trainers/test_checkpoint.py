@@ -109,6 +109,8 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint(micro: MicroConfig, 
     assert "resuming from" in out and "at step 2" in out
     assert resumed.step == 6
     assert resumed.train_losses == straight.train_losses[2:]
+    # Moved aside: latest_checkpoint, export and pruning no longer see it.
+    assert newest.with_name(newest.name + ".corrupt").is_file()
 
 
 def test_resume_with_no_checkpoint_says_it_starts_over(micro: MicroConfig, capsys) -> None:
@@ -133,3 +135,30 @@ def test_atomic_writes_clean_up_after_a_killed_writer_and_keep_normal_permission
     umask = os.umask(0)
     os.umask(umask)
     assert target.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_checkpoints_from_before_the_scorer_group_resume(micro: MicroConfig) -> None:
+    """Checkpoints written when the optimizer had two groups (matrices, vectors) load into
+    today's three (the scorers apart), each parameter's Adam state where it belongs."""
+    config = micro()
+    torch.manual_seed(0)
+    model = NatsForCausalLM(config.model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    legacy = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
+                                {"params": [p for p in params if p.dim() < 2]}], lr=1e-3)
+    x, y = build_batches(config).train(0)
+    model(x, labels=y).loss.backward()
+    legacy.step()
+    path = save_checkpoint(config.out_dir, 1, model, legacy, config.to_dict(), keep=1)
+
+    fresh = NatsForCausalLM(config.model)
+    optimizer = build_optimizer(fresh, config.replace(router_lr_scale=2.0))
+    load_checkpoint(path, fresh, optimizer)
+    assert len(optimizer.param_groups) == 3
+    scorer = fresh.nats_layers[0].scorer.proj.weight
+    old_scorer = model.nats_layers[0].scorer.proj.weight
+    assert torch.equal(optimizer.state[scorer]["exp_avg"], legacy.state[old_scorer]["exp_avg"])
+    embed, old_embed = fresh.embed.weight, model.embed.weight
+    assert torch.equal(optimizer.state[embed]["exp_avg"], legacy.state[old_embed]["exp_avg"])
+    assert optimizer.param_groups[2]["lr_scale"] == 2.0  # the config's, not the file's
+    assert optimizer.param_groups[2]["weight_decay"] == 0.0
