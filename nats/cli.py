@@ -57,10 +57,17 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(model_dir: str, device: str) -> NatsForCausalLM:
+def _load(source: str, device: str) -> NatsForCausalLM:
+    """The model of a saved or exported model folder, of a run folder (its ``model/``, else
+    its newest checkpoint) or of a checkpoint file: every command takes the same sources."""
     from nats.trainers import resolve_device
 
-    return NatsForCausalLM.from_pretrained(model_dir, device=resolve_device(device)).eval()
+    path, where = Path(source), resolve_device(device)
+    if path.is_dir() and not (path / "train_config.json").is_file():
+        return NatsForCausalLM.from_pretrained(path, device=where).eval()
+    from nats.export import load_source
+
+    return load_source(path, device=where).model.eval()
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -70,7 +77,7 @@ def _generate(args: argparse.Namespace) -> int:
     device = model.embed.weight.device
     generator = torch.Generator(device=device).manual_seed(args.seed)
     sampling = dict(do_sample=args.sample, temperature=args.temperature, top_k=args.top_k,
-                    generator=generator)
+                    generator=generator, max_prompt_tokens=args.max_prompt_tokens)
     if args.tokens is None:
         tokenizer = load_tokenizer(args.tokenizer)
         print(args.prompt + generate_text(model, args.prompt, args.max_new_tokens, tokenizer,
@@ -241,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_train)
 
     gen = sub.add_parser("generate", help="continue a prompt with a saved model")
-    gen.add_argument("model_dir", help="a folder written by save_pretrained (run/model)")
+    gen.add_argument("model_dir", metavar="SOURCE",
+                     help="a run folder, a checkpoint file, or a saved or exported model folder")
     prompt = gen.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default="def ",
                         help="text, as UTF-8 bytes or through --tokenizer")
@@ -249,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tokenizer", metavar="DIR",
                      help="the tokenizer.json the model was trained with (default: bytes)")
     gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--max-prompt-tokens", type=int, default=4096,
+                     help="refuse longer prompts (the prefill's memory grows with the "
+                          "square of the prompt)")
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy")
     gen.add_argument("--temperature", type=float, default=1.0)
     gen.add_argument("--top-k", type=int)
@@ -257,7 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     info = sub.add_parser("info", help="describe a saved model")
-    info.add_argument("model_dir")
+    info.add_argument("model_dir", metavar="SOURCE",
+                      help="a run folder, a checkpoint file, or a model folder")
     info.set_defaults(func=_info)
 
     export = sub.add_parser(

@@ -27,25 +27,37 @@ def pick_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: 
 def generate(model: NatsForCausalLM, input_ids: torch.Tensor, max_new_tokens: int,
              do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
              generator: torch.Generator | None = None,
-             eos_token_id: int | None = None, cuda_graph: bool | None = None) -> torch.Tensor:
+             eos_token_id: int | None = None, cuda_graph: bool | None = None,
+             max_prompt_tokens: int | None = None) -> torch.Tensor:
     """Prefill the prompt once, then decode token by token against the cache.
 
     Returns ``[B, T + n]``; generation stops early once every row has produced
     ``eos_token_id``. Routing is deterministic (argmax) unless the model is training.
     ``cuda_graph`` replays the decode steps from a CUDA graph
     (:class:`nats.cuda_graph.GraphedDecoder`); by default it does on a GPU.
+    ``max_prompt_tokens`` refuses longer prompts: the prefill is one forward pass, whose
+    softmax scores grow with the square of the prompt on the reference (CPU) path.
+    Non-finite logits after the prefill (NaN weights, a diverged run) raise instead of
+    decoding arbitrary tokens.
     """
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be a non-empty [B, T] tensor, got "
                          f"{list(input_ids.shape)}")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if max_prompt_tokens is not None and input_ids.shape[1] > max_prompt_tokens:
+        raise ValueError(f"the prompt has {input_ids.shape[1]} tokens, more than the limit of "
+                         f"{max_prompt_tokens} (the prefill's memory grows with the square of "
+                         "the prompt's length); raise the limit to go on")
     tokens = [input_ids]
     if max_new_tokens == 0:
         return input_ids
     if cuda_graph is None:
         cuda_graph = input_ids.is_cuda
     logits, cache = model.prefill(input_ids)
+    if not bool(torch.isfinite(logits[:, -1]).all()):
+        raise ValueError("the model's logits are not finite (NaN or inf): its weights are "
+                         "damaged or its training diverged")
     if cuda_graph:
         from .cuda_graph import GraphedDecoder
 

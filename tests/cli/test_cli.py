@@ -122,6 +122,16 @@ def test_train_info_generate(tmp_path: Path) -> None:
         assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
     refused = _nats("generate", str(run / "model"), "--prompt", "ab")  # a 32-token model
     assert refused.returncode == 2 and "--tokenizer" in refused.stderr
+    refused = _nats("generate", str(run / "model"), "--tokens", "3 9 4",
+                    "--max-prompt-tokens", "2")
+    assert refused.returncode == 2 and "3 tokens, more than the limit of 2" in refused.stderr
+
+    # The run folder and its checkpoint name the same model as run/model.
+    greedy = [_nats("generate", source, "--tokens", "3 9 4", "--max-new-tokens", "6")
+              for source in (str(run / "model"), str(run), str(latest_checkpoint(run)))]
+    assert all(g.returncode == 0 for g in greedy), [g.stderr for g in greedy]
+    assert greedy[0].stdout == greedy[1].stdout == greedy[2].stdout
+    assert json.loads(_nats("info", str(run)).stdout)["parameters"] == described["parameters"]
 
     again = _nats("train", "--preset", "tiny", "--out", str(run))
     assert again.returncode == 2 and "--resume" in again.stderr

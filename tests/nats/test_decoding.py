@@ -83,6 +83,20 @@ def test_generate_rejects_bad_arguments():
         model.generate(torch.zeros(1, 0, dtype=torch.long), 3)
     with pytest.raises(ValueError, match="temperature"):
         model.generate(torch.zeros(1, 2, dtype=torch.long), 3, do_sample=True, temperature=0.0)
+    with pytest.raises(ValueError, match="5 tokens, more than the limit of 4"):
+        model.generate(torch.zeros(1, 5, dtype=torch.long), 3, max_prompt_tokens=4)
+    assert model.generate(torch.zeros(1, 4, dtype=torch.long), 3, max_prompt_tokens=4).shape \
+        == (1, 7)
+
+
+def test_nan_weights_are_reported_not_decoded():
+    model = tiny_model(("nats", "gdn"))
+    prompt = torch.zeros(1, 4, dtype=torch.long)
+    assert model.generate(prompt, 3).shape == (1, 7)
+    with torch.no_grad():
+        model.norm.weight[0] = float("nan")
+    with pytest.raises(ValueError, match="logits are not finite"):
+        model.generate(prompt, 3)
 
 
 def test_graphed_decoding_needs_a_gpu():
