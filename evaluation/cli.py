@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 DEFAULT_BATCHES = 4
@@ -50,7 +51,7 @@ def eval_command(args: argparse.Namespace) -> int:
     from .loading import load_for_eval
     from .slices import slice_configs
 
-    for name in ("batch_size", "train_seq_len"):
+    for name in ("batches", "batch_size", "train_seq_len"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -66,6 +67,9 @@ def eval_command(args: argparse.Namespace) -> int:
              "mqar_queries": args.queries, "needle_distractors": args.distractors,
              "needle_haystack": args.haystack}
     slices = slice_configs(base, task, seq_lens, args.pairs or (), args.batch_size, knobs)
+    if loaded.train_config is None and args.task is None:
+        print(f"nats: warning: the task {loaded.origin} was trained on is unknown; evaluating "
+              "on 'mqar' (choose with --task)", file=sys.stderr)
     report = run_eval(loaded, slices, args.batches, device, args.train_seq_len, args.prefill,
                       args.out)
     print("\n".join(summary_lines(report)))

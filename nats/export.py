@@ -2,9 +2,11 @@
 
 The folder holds ``config.json`` (a :class:`NatsConfig`, with the layer-index lists
 ``softmax_layers`` / ``linear_layers`` / ``hybrid_layers`` that other codebases read),
-``model.safetensors`` unless weights are left out, and ``README.md``: the layer mix, chunk
-size, heads, the softmax fraction each NAtS-L layer measured on the run's evaluation data,
-and where it came from. ``NatsForCausalLM.from_pretrained`` loads it.
+``model.safetensors`` unless weights are left out, ``training.json`` (the run's
+``TrainConfig`` holding the exported model: the task and data it was trained on, so that
+retraining and ``nats eval`` do not fall back to another task) and ``README.md``: the layer
+mix, chunk size, heads, the softmax fraction each NAtS-L layer measured on the run's
+evaluation data, and where it came from. ``NatsForCausalLM.from_pretrained`` loads it.
 
 With ``plain_layers``, a NAtS-L layer whose routes were all softmax (all linear) on that
 data is exported as a plain softmax (plain linear: the config's ``linear_op``) layer. Such
@@ -40,6 +42,8 @@ from .model import CONFIG_FILE, WEIGHTS_FILE, NatsForCausalLM
 
 README_FILE = "README.md"
 TRAIN_CONFIG_FILE = "train_config.json"
+TRAINING_FILE = "training.json"
+"""An export's run config (not ``train_config.json``, which marks a run folder)."""
 PLAIN_KIND = {ALL_SOFTMAX: "softmax", ALL_LINEAR: "gdn"}
 """The plain layer type that a NAtS-L layer with these routes is exported as."""
 _NAMES = {"nats": "NAtS-L (hybrid)", "softmax": "softmax attention"}
@@ -76,6 +80,9 @@ class ExportResult:
     """Layers exported as plain layers: index -> new type ("softmax" or "gdn")."""
     weights: Path | None
     """``model.safetensors``, or ``None`` with ``weights=False``."""
+    training: Path | None
+    """``training.json``, or ``None`` when the training run is unknown."""
+    training_task: str | None
     readme: Path
     origin: str
     parameters: int
@@ -90,7 +97,7 @@ class ExportResult:
     @property
     def files(self) -> list[Path]:
         out = [self.out_dir / CONFIG_FILE]
-        return out + ([self.weights] if self.weights else []) + [self.readme]
+        return out + [p for p in (self.weights, self.training) if p] + [self.readme]
 
 
 # -- reading a run or a checkpoint ---------------------------------------------------------
@@ -191,7 +198,7 @@ def export_model(model: NatsForCausalLM, out_dir: str | os.PathLike, *,
                  eval_batches: Sequence[Batch | torch.Tensor] = (), weights: bool = True,
                  plain_layers: bool = False, force: bool = False,
                  origin: str = "an in-memory model", eval_description: str = "",
-                 init_seed: int = 0) -> ExportResult:
+                 init_seed: int = 0, train_config: TrainConfig | None = None) -> ExportResult:
     """Write ``model``'s architecture (and weights) to ``out_dir``; see the module doc.
 
     ``eval_batches`` are measured as they are (a layer's ``route_override`` counts);
@@ -199,6 +206,7 @@ def export_model(model: NatsForCausalLM, out_dir: str | os.PathLike, *,
     absent or empty unless ``force``, which replaces the files an export writes (and
     removes a stale ``model.safetensors`` when ``weights`` is off). Converted layers'
     mixers are initialised from ``init_seed`` (the global RNG is left untouched).
+    ``train_config`` (the run that trained ``model``) is written as ``training.json``.
     """
     out = Path(out_dir)
     check_out_dir(out, force)
@@ -219,9 +227,17 @@ def export_model(model: NatsForCausalLM, out_dir: str | os.PathLike, *,
         (out / WEIGHTS_FILE).unlink(missing_ok=True)  # never leave weights of another export
         atomic_write_bytes(out / CONFIG_FILE,
                            (json.dumps(config.to_dict(), indent=2) + "\n").encode())
+    training_path = out / TRAINING_FILE
+    if train_config is None:
+        training_path.unlink(missing_ok=True)  # never leave the task of another export
+        training_path = None
+    else:
+        run = train_config.replace(model=config, init_from=None, out_dir=f"runs/{out.name}")
+        atomic_write_bytes(training_path, (json.dumps(run.to_dict(), indent=2) + "\n").encode())
     result = ExportResult(
         out_dir=out, config=config, trained_layer_types=trained.layer_types,
         fractions=fractions, converted=converted, weights=weights_path,
+        training=training_path, training_task=train_config and train_config.task,
         readme=out / README_FILE, origin=origin,
         parameters=sum(p.numel() for p in exported.parameters()),
         dtype=str(exported.embed.weight.dtype).removeprefix("torch."),
@@ -260,7 +276,7 @@ def export_architecture(source: str | os.PathLike, out_dir: str | os.PathLike, *
                  f"{tc.seq_len} tokens (task {tc.task!r})") if count else ""
     return export_model(loaded.model, out, eval_batches=batches, weights=weights,
                         plain_layers=plain_layers, force=force, origin=loaded.origin,
-                        eval_description=described, init_seed=init_seed)
+                        eval_description=described, init_seed=init_seed, train_config=tc)
 
 
 def check_out_dir(out: Path, force: bool) -> None:
@@ -298,6 +314,14 @@ def _carry_weights(model: NatsForCausalLM, config: NatsConfig, converted: dict[i
 # -- README ----------------------------------------------------------------------------------
 
 
+def retrain_command(result: ExportResult) -> str:
+    """``nats train`` of the exported architecture: on the task and data it was trained on
+    (``training.json``) where known, else on the preset's (``config.json``)."""
+    if result.training is not None:
+        return f"nats train --config {result.training} --out runs/{result.out_dir.name}"
+    return f"nats train --config {result.out_dir / CONFIG_FILE}"
+
+
 def _fmt(x: float) -> str:
     return f"{x:.3f}"
 
@@ -305,7 +329,9 @@ def _fmt(x: float) -> str:
 def render_readme(result: ExportResult, init_seed: int = 0) -> str:
     """The README of an export: architecture, layer table, provenance, how to use it."""
     cfg = result.config
-    lines = [f"# NAtS-L architecture export: {cfg.n_layers} layers", "",
+    routed = "nats" in result.trained_layer_types
+    title = "NAtS-L architecture export" if "nats" in cfg.layer_types else "Architecture export"
+    lines = [f"# {title}: {cfg.n_layers} layers", "",
              f"Exported by `nats export` from {result.origin}.", ""]
     names = {**_NAMES, "gdn": f"{cfg.linear_op_name} (linear)"}
     mix = "; ".join(f"{names[kind]} {list(cfg.layers_of(kind))}"
@@ -331,7 +357,9 @@ def render_readme(result: ExportResult, init_seed: int = 0) -> str:
               f"| parameters | {result.parameters:,} |",
               f"| weights | {weights} |", ""]
     lines += ["## Layers", ""]
-    if result.fractions:
+    if not routed:
+        lines += ["No layer routes: every layer is a plain softmax or linear layer.", ""]
+    elif result.fractions:
         lines += ["Softmax fraction: the share of tokens in chunks routed to softmax attention "
                   "(kept in the KV cache), per routing head and over all heads, measured in "
                   f"eval mode on {result.eval_description}. Routes: whether every chunk went "
@@ -373,11 +401,20 @@ def render_readme(result: ExportResult, init_seed: int = 0) -> str:
               "```python", "from nats import NatsForCausalLM", "",
               f'model = NatsForCausalLM.from_pretrained("{result.out_dir}")', "```", "",
               "```bash"]
-    train = f"nats train --config {result.out_dir / CONFIG_FILE}"
+    train = retrain_command(result)
     commands = [(train, "this architecture, from scratch")]
     if result.weights:
         commands.append((f"{train} --init-from {result.out_dir}", "from these weights"))
     width = max(len(c) for c, _ in commands)
     lines += [f"{c:<{width}}  # {why}" for c, why in commands] + ["```", ""]
+    if result.training is None:
+        lines += ["The training run is unknown: the commands above train on the preset's "
+                  "task (`--preset`, `--task` and the data options choose another).", ""]
+    else:
+        lines += [f"`{TRAINING_FILE}` is the run this model was trained in: task "
+                  f"{result.training_task!r}, its data and optimiser settings, with this "
+                  f"architecture. To train the architecture on another task, give "
+                  f"`--config {result.out_dir / CONFIG_FILE}` (the model alone) with a "
+                  "`--preset` or `--task`.", ""]
     return "\n".join(lines)
 

@@ -116,6 +116,16 @@ def test_cli_writes_json_and_labels_lengths(tmp_path: Path, capsys) -> None:
     assert "wrote" in capsys.readouterr().out
 
 
+def test_an_unknown_training_task_is_said(tmp_path: Path, capsys) -> None:
+    _model().save_pretrained(tmp_path / "m")
+    argv = ["eval", str(tmp_path / "m"), "--batches", "1", "--batch-size", "2", "--seq-len",
+            "64", "--device", "cpu", "--out", str(tmp_path / "r.json")]
+    assert main(argv) == 0
+    assert "the task model folder" in capsys.readouterr().err
+    assert main([*argv, "--task", "mqar"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["missing"], "does not exist"),
     (["{tmp}"], "neither a run folder"),

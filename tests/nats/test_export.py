@@ -82,7 +82,7 @@ def test_layer_lists_in_config_dicts() -> None:
 def test_export_of_a_run_loads_with_the_same_logits(run: Path, tmp_path: Path) -> None:
     result = export_architecture(run, tmp_path / "out")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == \
-        ["README.md", "config.json", "model.safetensors"]
+        ["README.md", "config.json", "model.safetensors", "training.json"]
     assert result.origin == f"run {run} (model/, step 4)" and not result.converted
     loaded = NatsForCausalLM.from_pretrained(tmp_path / "out")
     assert loaded.config.layer_types == LAYERS
@@ -117,11 +117,42 @@ def test_no_weights_writes_config_and_readme_only(run: Path, tmp_path: Path) -> 
     export_architecture(run, out)
     result = export_architecture(run, out, weights=False, force=True)  # replaces the weights
     assert result.weights is None
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "training.json"]
     config = NatsConfig.from_dict(json.loads((out / "config.json").read_text()))
     assert config == NatsForCausalLM.from_pretrained(run / "model").config
     readme = result.readme.read_text()
     assert "not exported" in readme and "--init-from" not in readme
+
+
+def test_the_export_carries_the_task_it_was_trained_on(run: Path, tmp_path: Path) -> None:
+    from nats.evaluation.loading import load_for_eval
+    from nats.trainers import run_config
+
+    result = export_architecture(run, tmp_path / "out")
+    trained = TrainConfig.from_dict(json.loads((run / "train_config.json").read_text()))
+    carried = TrainConfig.from_dict(json.loads(result.training.read_text()))
+    assert carried.task == trained.task == "copy" and carried.copy_symbols == 8
+    assert carried.model == result.config and carried.seq_len == trained.seq_len
+    # The retraining command the README prints keeps the task (the preset's is another).
+    readme = result.readme.read_text()
+    assert f"nats train --config {result.training} --out runs/out --init-from" in readme
+    again = run_config("mqar-tiny", {"init_from": str(result.out_dir)}, resume=False,
+                       config_path=str(result.training))
+    assert again.task == "copy" and again.model == result.config
+    # nats eval evaluates the export on its own task.
+    assert load_for_eval(result.out_dir, torch.device("cpu")).train_config.task == "copy"
+
+
+def test_readme_of_a_plain_stack_claims_no_routes(tmp_path: Path) -> None:
+    config = NatsConfig(vocab_size=40, d_model=32, n_layers=2, n_heads=2,
+                        softmax_heads_per_head=2, head_dim_k=16, head_dim_v=16, chunk_size=16,
+                        layer_types=("softmax", "gdn"))
+    batches = [(torch.randint(0, 40, (2, 40)), torch.randint(0, 40, (2, 40)))]
+    result = export_model(NatsForCausalLM(config), tmp_path / "out", eval_batches=batches)
+    readme = result.readme.read_text()
+    assert readme.startswith("# Architecture export: 2 layers")
+    assert "No layer routes" in readme and "not measured" not in readme
+    assert result.training is None and "training run is unknown" in readme
 
 
 def test_plain_layers_replace_exactly_the_one_way_layers(tmp_path: Path) -> None:
@@ -234,12 +265,12 @@ def test_cli_export(run: Path, tmp_path: Path, capsys) -> None:
     printed = capsys.readouterr().out
     assert printed.startswith(f"nats: exported run {run} (model/, step 4)\n")
     assert "  layer 0: nats" in printed and "  layer 1: softmax\n" in printed
-    assert f"wrote config.json, model.safetensors, README.md to {out}" in printed
+    assert f"wrote config.json, model.safetensors, training.json, README.md to {out}" in printed
 
     assert main(["export", str(run), "--out", str(out)]) == 2  # not empty
     err = capsys.readouterr().err
     assert err.startswith("nats: error: --out ") and err.count("\n") == 1
     assert main(["export", str(run), "--out", str(out), "--force", "--no-weights",
                  "--eval-batches", "1"]) == 0
-    assert "wrote config.json, README.md" in capsys.readouterr().out
+    assert "wrote config.json, training.json, README.md" in capsys.readouterr().out
     assert not (out / "model.safetensors").exists()
