@@ -1,5 +1,5 @@
 """What an architecture costs against context length, beside the same model all-softmax and
-all-linear: a table and a log-log picture of :func:`~nats.analysis.cost_model.compare_costs`.
+all-linear: a table and a log-log picture of :func:`~nats.cost_model.compare_costs`.
 
 The numbers are the cost model's (its module docstring has the formulas); this module only
 lays them out, so that the report and the tests read the same values.
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from PIL import Image
 
-from .cost_model import ArchitectureCost
-from .plotting import PALETTE, Series, format_si, format_tokens, line_plot, stack
+from nats.cost_model import ArchitectureCost
+from nats.plotting import PALETTE, Series, format_si, format_tokens, line_plot, stack
 
 VARIANTS = ("model", "all-softmax", "all-linear")
 """The curves of :func:`compare_costs`, in the order they are shown."""

@@ -24,38 +24,25 @@ from typing import Any
 import torch
 from PIL import Image
 
-from .cost_model import compare_costs, fractions_from_measurement
+from nats.cost_model import compare_costs, fractions_from_measurement
+from nats.plotting import format_si, format_tokens, histogram, save_png
+from nats.trainers.routing_maps import routing_figure
+
 from .cost_view import COST_METRICS, VARIANTS, cost_figure, cost_rows
-from .plotting import format_si, format_tokens, histogram, save_png
 from .route_stats import BINS, LayerRouteStats, RelevantFn, collect_route_stats
-from .routing_maps import routing_figure
 from .token_view import TOKEN_VIEW_CSS, token_pieces, token_view_html, token_view_page
 
 REPORT_FILE = "report.html"
-SEARCH, RUN, CHECKPOINT, MODEL = "search", "run", "checkpoint", "model"
 MAX_TEXT_TOKENS = 1024
 """A ``--text`` input is cut to this many tokens (the token view shows every one)."""
 TABLE_CONTEXTS = (1024, 4096, 16384, 65536, 262144, 1048576)
 """Context lengths of the cost table (the picture shows 1K .. 1M in powers of two)."""
 
 
-def detect_source(path: str | os.PathLike) -> str:
-    """``"search"``, ``"run"``, ``"checkpoint"`` or ``"model"`` (a folder written by
-    ``save_pretrained`` or ``nats export``); a one-line error for anything else."""
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"{p} does not exist: give a run folder, a checkpoint file, a "
-                                "saved or exported model folder, or a search folder")
-    if p.is_file():
-        return CHECKPOINT
-    if (p / "search.json").is_file():
-        return SEARCH
-    if (p / "train_config.json").is_file():
-        return RUN
-    if (p / "config.json").is_file() and (p / "model.safetensors").is_file():
-        return MODEL
-    raise ValueError(f"{p} is neither a run folder (train_config.json), a model folder "
-                     "(config.json and model.safetensors) nor a search folder (search.json)")
+def is_search_folder(path: str | os.PathLike) -> bool:
+    """A search folder holds ``search.json``; anything else is a model source
+    (:func:`nats.trainers.sources.load_model` says what it accepts)."""
+    return (Path(path) / "search.json").is_file()
 
 
 @dataclass
@@ -96,21 +83,22 @@ def load_model_input(source: str | os.PathLike, *, text: str | None = None,
                      device: str = "cpu") -> ModelInput:
     """The model of a run, checkpoint or model folder, with its evaluation data.
 
-    Runs and checkpoints evaluate on the run's fixed evaluation batches (``batches`` of
-    them, default the run's count) and show the first sequence, or ``text`` when given
-    (through the run's tokenizer, else UTF-8 bytes). A model folder has no evaluation data:
+    Where the training run is known (a run, a checkpoint, a run's ``model/``, an export),
+    the model is evaluated on the run's fixed evaluation batches (``batches`` of them,
+    default the run's count) and shows the first sequence, or ``text`` when given (through
+    the run's tokenizer, else UTF-8 bytes). Any other model folder has no evaluation data:
     it is analysed on ``text`` (default: a stretch of English prose from the standard
     library, for byte-level models)."""
-    from nats import NatsForCausalLM
-    from nats.export import load_source
     from nats.trainers import build_batches, load_tokenizer, resolve_device
+    from nats.trainers.sources import load_model
 
     if batches is not None and (isinstance(batches, bool) or batches < 1):
         raise ValueError(f"--batches {batches!r}: must be an integer >= 1")
-    kind = detect_source(source)
-    dev = resolve_device(device)
-    if kind == MODEL:
-        model = NatsForCausalLM.from_pretrained(source, device=dev)
+    if is_search_folder(source):
+        raise ValueError(f"{source} is a search folder; analyse it with analyze_search")
+    loaded = load_model(source, resolve_device(device))
+    if loaded.train_config is None:
+        model = loaded.model
         tok = load_tokenizer(tokenizer)
         if text is None:
             if model.config.vocab_size < 256 and tokenizer is None:
@@ -119,12 +107,9 @@ def load_model_input(source: str | os.PathLike, *, text: str | None = None,
                                  "--tokenizer, or analyse its run folder")
             text = default_text()
         ids, described = _text_batches(text, tok, model.config.vocab_size)
-        return ModelInput(model.eval(), f"model folder {source}",
+        return ModelInput(model, loaded.origin,
                           [(ids[None], torch.full_like(ids[None], -100))], described, ids, True,
                           tok)
-    if kind == SEARCH:
-        raise ValueError(f"{source} is a search folder; analyse it with analyze_search")
-    loaded = load_source(source, dev)
     tc = loaded.train_config
     data = build_batches(tc)
     count = tc.eval_batches if batches is None else batches
@@ -136,11 +121,11 @@ def load_model_input(source: str | os.PathLike, *, text: str | None = None,
     if text is not None:
         tok = tok or load_tokenizer(tokenizer)
         ids, _ = _text_batches(text, tok, tc.model.vocab_size)
-        return ModelInput(loaded.model.eval(), loaded.origin, eval_batches, described, ids,
+        return ModelInput(loaded.model, loaded.origin, eval_batches, described, ids,
                           False, tok, relevant)
     ids, labels = eval_batches[0]
     shown = relevant(ids[:1], labels[:1])[0].tolist() if relevant is not None else None
-    return ModelInput(loaded.model.eval(), loaded.origin, eval_batches, described, ids[0], True,
+    return ModelInput(loaded.model, loaded.origin, eval_batches, described, ids[0], True,
                       tok, relevant, shown)
 
 
@@ -263,7 +248,7 @@ def _cost_section(report: Report, config: Any, fractions: tuple[float | None, ..
         "Token-mixer cost of this architecture with the measured softmax fractions "
         f"({shown or 'no NAtS-L layer'}), beside the same model with every layer plain "
         "softmax attention or plain Gated DeltaNet (batch 1, bf16 KV cache, fp32 state; "
-        "formulas in nats.analysis.cost_model). FLOPs are per token, averaged over a sequence "
+        "formulas in nats.cost_model). FLOPs are per token, averaged over a sequence "
         "of the context length; KV cache and state are what decoding holds after it."),
         img, html_table(columns, body, groups))
     report.data[f"{prefix}cost"] = cost_rows(curves)
@@ -364,14 +349,16 @@ def analyze(source: str | os.PathLike, out_dir: str | os.PathLike, *, text: str 
             progress: bool = True) -> Path:
     """Write ``out_dir/report.html`` (and its pictures, ``tokens.html``, ``report.json``)
     for a model or a search; returns the report's path."""
-    kind = detect_source(source)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {out} is a file, not a folder")
+    if not Path(source).exists():
+        raise FileNotFoundError(f"{source} does not exist: give a run folder, a checkpoint "
+                                "file, a saved or exported model folder, or a search folder")
     out.mkdir(parents=True, exist_ok=True)
     report = Report(out)
     title = f"nats analysis of {source}"
-    if kind == SEARCH:
+    if is_search_folder(source):
         trial = search_sections(report, Path(source))
         if trial is not None:
             inp = load_model_input(Path(source) / "trials" / trial, text=text,

@@ -19,8 +19,7 @@ import torch
 from tqdm import tqdm
 
 from nats.kernels import SOFTMAX
-
-from .softmax_fraction import softmax_token_counts
+from nats.softmax_fraction import softmax_token_counts
 
 if TYPE_CHECKING:
     from nats import NatsForCausalLM

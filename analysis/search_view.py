@@ -14,8 +14,8 @@ from typing import Any
 
 from PIL import Image
 
-from .pareto import plot_front
-from .plotting import bar_chart, stack
+from nats.plotting import bar_chart, stack
+from nats.search_spaces.pareto import plot_front
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from nats.kernels import SOFTMAX
-
-from .routing_maps import LINEAR_RGB, SOFTMAX_RGB
+from nats.trainers.routing_maps import LINEAR_RGB, SOFTMAX_RGB
 
 TOKEN_VIEW_CSS = f"""
 .tv-text {{ font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 14px;

@@ -2,8 +2,7 @@
 per byte, with the softmax fraction, speed, memory and cost of each slice."""
 
 from .harness import COST_CONTEXTS, length_label, prefill_seconds, run_eval
-from .loading import LoadedModel, load_for_eval
 from .slices import slice_configs, slice_name
 
-__all__ = ["COST_CONTEXTS", "LoadedModel", "length_label", "load_for_eval", "prefill_seconds",
-           "run_eval", "slice_configs", "slice_name"]
+__all__ = ["COST_CONTEXTS", "length_label", "prefill_seconds", "run_eval", "slice_configs",
+           "slice_name"]

@@ -46,9 +46,9 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def eval_command(args: argparse.Namespace) -> int:
     from nats.trainers import TrainConfig, resolve_device
+    from nats.trainers.sources import load_model
 
     from .harness import run_eval, summary_lines
-    from .loading import load_for_eval
     from .slices import slice_configs
 
     for name in ("batches", "batch_size", "train_seq_len"):
@@ -56,7 +56,7 @@ def eval_command(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     device = resolve_device(args.device)
-    loaded = load_for_eval(args.source, device)
+    loaded = load_model(args.source, device)
     task = args.task or (loaded.train_config.task if loaded.train_config else "mqar")
     seq_lens = args.seq_len or [args.train_seq_len or (
         loaded.train_config.seq_len if loaded.train_config else TrainConfig.seq_len)]

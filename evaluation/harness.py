@@ -21,13 +21,13 @@ import torch
 from tqdm import tqdm
 
 from nats import NatsForCausalLM
-from nats.analysis.cost_model import IMPLIED_FRACTION, architecture_cost
 from nats.atomic_write import atomic_write_bytes
+from nats.cost_model import IMPLIED_FRACTION, architecture_cost
 from nats.latency import prefill_latency_ms
 from nats.trainers import TrainConfig, build_batches, evaluate
 from nats.trainers.loop import autocast_for
+from nats.trainers.sources import LoadedModel
 
-from .loading import LoadedModel
 from .slices import slice_name, slice_params
 
 COST_CONTEXTS = (4096, 32768)

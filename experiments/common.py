@@ -27,9 +27,10 @@ import torch
 from tqdm import tqdm
 
 from nats.atomic_write import atomic_write_bytes
-from nats.evaluation import LoadedModel, load_for_eval, prefill_seconds, run_eval
+from nats.evaluation import prefill_seconds, run_eval
 from nats.trainers import TrainConfig, resolve_device, train
 from nats.trainers.config import ARCHITECTURES, with_architecture
+from nats.trainers.sources import LoadedModel, load_model
 
 PREFILL_LEN = 4096
 OFFICIAL = ":official"
@@ -145,7 +146,7 @@ def add_prefill(report: dict[str, Any], run_dir: Path, first_slice: TrainConfig,
                 device: torch.device) -> None:
     """Time the batch-1 prefill of the run's final model (``run_dir/model``, safetensors)
     on ``first_slice``'s data, as ``nats eval`` would, into ``report["prefill"]``."""
-    model = load_for_eval(run_dir, device).model
+    model = load_model(run_dir, device).model
     seconds = prefill_seconds(model, first_slice.replace(model=model.config), PREFILL_LEN,
                               device)
     report["prefill"] = [{"seq_len": PREFILL_LEN, "batch_size": 1, "seconds": seconds}]

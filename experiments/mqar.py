@@ -80,7 +80,7 @@ def main() -> None:
                 markdown_table(header, rows),
                 ["Accuracy: share of queries answered exactly, mean ± std over seeds "
                  f"({len(s['seeds'])}), best lr per seed. Softmax fraction and cost at the "
-                 "training slice; cost from analysis/cost_model.py at 4k/32k tokens."])
+                 "training slice; cost from nats/cost_model.py at 4k/32k tokens."])
 
 
 if __name__ == "__main__":

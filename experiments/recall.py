@@ -92,7 +92,7 @@ def main() -> None:
                  "routable chunks (all but each sequence's last) sent to softmax, NAtS-L rows; "
                  "the softmax fraction of tokens otherwise. Informative chunks hold a queried "
                  "key-value pair. Mean ± std over seeds "
-                 f"({len(s['seeds'])}); cost from analysis/cost_model.py."])
+                 f"({len(s['seeds'])}); cost from nats/cost_model.py."])
 
 
 if __name__ == "__main__":

@@ -58,16 +58,11 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _load(source: str, device: str) -> NatsForCausalLM:
-    """The model of a saved or exported model folder, of a run folder (its ``model/``, else
-    its newest checkpoint) or of a checkpoint file: every command takes the same sources."""
+    """The model of a run folder, a checkpoint file, or a saved or exported model folder."""
     from nats.trainers import resolve_device
+    from nats.trainers.sources import load_model
 
-    path, where = Path(source), resolve_device(device)
-    if path.is_dir() and not (path / "train_config.json").is_file():
-        return NatsForCausalLM.from_pretrained(path, device=where).eval()
-    from nats.export import load_source
-
-    return load_source(path, device=where).model.eval()
+    return load_model(source, resolve_device(device)).model
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -115,14 +110,14 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _bench_decode(args: argparse.Namespace) -> int:
-    from nats.decode_benchmark import run_decode_benchmark
+    from nats.evaluation.decode_benchmark import run_decode_benchmark
 
     run_decode_benchmark(tuple(args.context), tuple(args.fractions), args.steps, args.out)
     return 0
 
 
 def _bench_attention(args: argparse.Namespace) -> int:
-    from nats.kernels.attention_bench import default_config, run_attention_benchmark
+    from nats.evaluation.attention_bench import default_config, run_attention_benchmark
 
     device = args.device
     if device == "auto":
@@ -146,7 +141,7 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from nats.export import export_architecture
+    from nats.trainers.export import export_architecture
 
     result = export_architecture(args.source, args.out, weights=not args.no_weights,
                                  plain_layers=args.plain_layers, eval_batches=args.eval_batches,

@@ -12,10 +12,14 @@ number of times over a generation.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .cache import HybridCache
-from .model import NatsForCausalLM
+
+if TYPE_CHECKING:  # the model imports this module
+    from .model import NatsForCausalLM
 
 
 class GraphedDecoder:

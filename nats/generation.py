@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from .model import NatsForCausalLM
+from .cuda_graph import GraphedDecoder
+
+if TYPE_CHECKING:  # the model imports this module
+    from .model import NatsForCausalLM
 
 
 def pick_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int | None,
@@ -59,8 +64,6 @@ def generate(model: NatsForCausalLM, input_ids: torch.Tensor, max_new_tokens: in
         raise ValueError("the model's logits are not finite (NaN or inf): its weights are "
                          "damaged or its training diverged")
     if cuda_graph:
-        from .cuda_graph import GraphedDecoder
-
         step = GraphedDecoder(model, cache)
     else:
         def step(token: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from torch import nn
 from .atomic_write import atomic_write_bytes
 from .cache import HybridCache
 from .config import NatsConfig
+from .generation import generate
 from .layers.linear_layer import LinearLayer
 from .layers.nats_attention import LayerRouting, NatsAttention
 from .layers.norms import RMSNorm
@@ -199,8 +200,6 @@ class NatsForCausalLM(nn.Module):
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **sampling) -> torch.Tensor:
         """Prompt followed by ``max_new_tokens`` tokens; see :func:`nats.generation.generate`."""
-        from .generation import generate
-
         return generate(self, input_ids, max_new_tokens, **sampling)
 
     # -- persistence ----------------------------------------------------------------------

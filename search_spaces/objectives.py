@@ -1,6 +1,6 @@
 """What a search optimises: a quality metric of the evaluation and a cost from the cost model.
 
-The cost of a trial is :func:`nats.analysis.cost_model.architecture_cost` of its model at
+The cost of a trial is :func:`nats.cost_model.architecture_cost` of its model at
 a target context length, with each NAtS-L layer's softmax fraction as measured by the
 trial's latest evaluation (``eval/attn_frac/layer{i}``); plain softmax and linear
 layers have their implied fractions (1 and 0).
@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from nats.analysis.cost_model import architecture_cost
 from nats.config import NatsConfig
+from nats.cost_model import architecture_cost
 
 QUALITY = {
     "loss": ("eval/ce", "min"),

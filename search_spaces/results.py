@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nats.analysis.pareto import pareto_front, plot_front
 from nats.atomic_write import atomic_write_bytes
+from nats.search_spaces.pareto import pareto_front, plot_front
 
 from .objectives import finite
 from .search import TRIAL_FILE, SearchSettings
@@ -169,9 +169,9 @@ def pick(results: SearchResults, choice: str | int | None = None) -> int:
 
 
 def export_pick(results: SearchResults, out: str | Path, index: int) -> Any:
-    """Export trial ``rows[index]`` with :func:`nats.export.export_architecture` into
+    """Export trial ``rows[index]`` with :func:`nats.trainers.export.export_architecture` into
     ``out/export`` (replacing an earlier export)."""
-    from nats.export import export_architecture
+    from nats.trainers.export import export_architecture
 
     out = Path(out)
     trial_dir = out / "trials" / results.rows[index]["trial_id"]

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 from torch.utils.tensorboard import SummaryWriter
 
-from nats.analysis.routing_maps import routing_figure, routing_map_image
 from nats.config import NatsConfig
+from nats.trainers.routing_maps import routing_figure, routing_map_image
 
 from .evaluation import Evaluation
 

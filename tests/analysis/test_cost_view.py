@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from nats import NatsConfig
-from nats.analysis.cost_model import all_linear, all_softmax, architecture_cost, compare_costs
 from nats.analysis.cost_view import COST_METRICS, cost_figure, cost_rows
+from nats.cost_model import all_linear, all_softmax, architecture_cost, compare_costs
 
 CFG = NatsConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, softmax_heads_per_head=2,
                  head_dim_k=32, head_dim_v=32, chunk_size=16, layer_types=("nats", "softmax"))

@@ -155,7 +155,6 @@ def test_jobs_must_be_a_positive_integer(text: str, monkeypatch: pytest.MonkeyPa
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_parallel_gpu_grid_times_prefill_afterwards(tmp_path: Path) -> None:
     _grid(tmp_path, jobs=2, lrs=(GOOD_LR,), device="cuda")
     for arch in ARCHS:

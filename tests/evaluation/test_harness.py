@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from nats import NatsConfig, NatsForCausalLM
-from nats.analysis import measure_softmax_fraction
 from nats.cli import main
-from nats.evaluation import LoadedModel, load_for_eval, run_eval, slice_configs
+from nats.evaluation import run_eval, slice_configs
+from nats.softmax_fraction import measure_softmax_fraction
 from nats.trainers import MQARTask, TrainConfig
 from nats.trainers.data import stream_generator
+from nats.trainers.sources import LoadedModel, load_model
 
 CPU = torch.device("cpu")
 
@@ -85,7 +86,7 @@ def test_bits_per_byte_of_a_text_slice(tmp_path: Path) -> None:
 def test_exported_folder_has_no_training_length_unless_told(tmp_path: Path) -> None:
     model = _model()
     model.save_pretrained(tmp_path / "export")
-    loaded = load_for_eval(tmp_path / "export", CPU)
+    loaded = load_model(tmp_path / "export", CPU)
     assert loaded.train_config is None
     config = _run_config(model)
     report = run_eval(loaded, [config], 1, CPU, show_progress=False)
@@ -96,7 +97,7 @@ def test_exported_folder_has_no_training_length_unless_told(tmp_path: Path) -> N
     (tmp_path / "run").mkdir()
     model.save_pretrained(tmp_path / "run" / "model")
     (tmp_path / "run" / "train_config.json").write_text(json.dumps(config.to_dict()))
-    assert load_for_eval(tmp_path / "run" / "model", CPU).train_config == config
+    assert load_model(tmp_path / "run" / "model", CPU).train_config == config
 
 
 def test_cli_writes_json_and_labels_lengths(tmp_path: Path, capsys) -> None:

@@ -9,8 +9,7 @@ from nats.kernels import hybrid_gated_delta_rule, hybrid_softmax_attention
 from nats.kernels.bench import BenchShape, make_inputs, random_routes
 from nats.kernels.streams import concurrently
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

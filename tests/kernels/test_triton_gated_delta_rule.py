@@ -183,7 +183,6 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize(("batch", "seq_len", "heads", "chunk", "route_grad"), GPU_CASES)
 def test_bf16_matches_reference_on_gpu(batch: int, seq_len: int, heads: int, chunk: int,
                                        route_grad: str) -> None:
@@ -193,7 +192,6 @@ def test_bf16_matches_reference_on_gpu(batch: int, seq_len: int, heads: int, chu
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("d_k", "chunk"), [(64, 32), (32, 16), (64, 128)])
 def test_model_head_widths_match_reference_on_gpu(dtype: torch.dtype, d_k: int,
@@ -205,7 +203,6 @@ def test_model_head_widths_match_reference_on_gpu(dtype: torch.dtype, d_k: int,
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("chunk", [64, 256])
 def test_bf16_varlen_matches_reference_on_gpu(chunk: int) -> None:
     lengths, heads = (1000, 3000, 77, 4096), 8
@@ -218,7 +215,6 @@ def test_bf16_varlen_matches_reference_on_gpu(chunk: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_bf16_nearly_parallel_keys_on_gpu() -> None:
     """Keys within a few degrees of one another, beta near 1 and almost no decay: the WY
     matrix is then ill-conditioned, and its 16 x 16 diagonal inverses taken with tf32
@@ -237,7 +233,6 @@ def test_bf16_nearly_parallel_keys_on_gpu() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_bf16_repeatable_on_gpu() -> None:
     """Three runs on the same inputs agree to the order of float32 atomic adds (1e-5
     relative). Software-pipelined loops (Triton 3.6, H200) once made dw, dbeta and dg

@@ -169,7 +169,6 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize(("op", "batch", "seq_len", "heads", "chunk", "route_grad"), GPU_CASES)
 def test_bf16_matches_reference_on_gpu(op: str, batch: int, seq_len: int, heads: int,
                                        chunk: int, route_grad: str) -> None:
@@ -179,7 +178,6 @@ def test_bf16_matches_reference_on_gpu(op: str, batch: int, seq_len: int, heads:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("op", ["gla", "la"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("d_k", "chunk"), [(64, 32), (32, 16), (64, 128)])
@@ -192,7 +190,6 @@ def test_model_head_widths_match_reference_on_gpu(op: str, dtype: torch.dtype, d
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize(("op", "chunk"), [("gla", 64), ("gla", 256), ("la", 64)])
 def test_bf16_varlen_matches_reference_on_gpu(op: str, chunk: int) -> None:
     lengths, heads = (1000, 3000, 77, 4096), 8

@@ -193,7 +193,6 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize(("batch", "seq_len", "heads", "chunk", "frac", "route_grad"),
                          GPU_CASES)
 def test_bf16_matches_reference_on_gpu(batch: int, seq_len: int, heads: int, chunk: int,
@@ -204,7 +203,6 @@ def test_bf16_matches_reference_on_gpu(batch: int, seq_len: int, heads: int, chu
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("dim", "chunk"), [(32, 32), (16, 16), (32, 128)])
 def test_model_head_widths_match_reference_on_gpu(dtype: torch.dtype, dim: int,
@@ -216,7 +214,6 @@ def test_model_head_widths_match_reference_on_gpu(dtype: torch.dtype, dim: int,
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("chunk", [64, 256])
 def test_bf16_varlen_matches_reference_on_gpu(chunk: int) -> None:
     lengths, heads = (1000, 3000, 1, 77, 4096), 4

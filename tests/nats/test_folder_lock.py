@@ -29,6 +29,6 @@ def test_the_lock_goes_with_a_killed_holder(tmp_path: Path) -> None:
     with pytest.raises(FolderBusy, match=f"process {holder.pid}"), exclusive(tmp_path):
         pass
     holder.send_signal(signal.SIGKILL)
-    holder.wait(timeout=30)
+    holder.wait()
     with exclusive(tmp_path):
         pass

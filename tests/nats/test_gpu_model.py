@@ -9,8 +9,7 @@ from nats.config import LINEAR_OPS
 from .models import rel_err
 from .test_decoding import decode_logits
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("linear_op", LINEAR_OPS)

@@ -3,14 +3,12 @@
 import math
 
 import pytest
-import torch
 
 from nats import NatsConfig
 from nats.config import OFFICIAL_RECIPE
 from nats.trainers import TrainConfig, train
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 
 
 def test_gated_deltanet_needle_run_stays_finite_in_bf16(tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from nats.analysis.pareto import dominates, pareto_front, plot_front
+from nats.search_spaces.pareto import dominates, pareto_front, plot_front
 
 
 def _brute_force(points: list[tuple[float, ...]], modes: list[str]) -> list[int]:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from nats.analysis.pareto import pareto_front
 from nats.cli import main
 from nats.search_spaces.objectives import COSTS, QUALITY
+from nats.search_spaces.pareto import pareto_front
 
 ray = pytest.importorskip("ray")
 

@@ -15,6 +15,8 @@ from nats.trainers import train
 
 from .conftest import MicroConfig
 
+pytestmark = pytest.mark.slow  # worker processes
+
 WORKER = """
 import json, sys
 from nats.trainers import TrainConfig, train
@@ -41,7 +43,7 @@ def test_two_processes_follow_the_single_process_run(micro: MicroConfig,
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
          "2", str(tmp_path / "worker.py"), str(tmp_path / "config.json"),
          str(tmp_path / "losses.json")],
-        capture_output=True, text=True, timeout=300)
+        capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
 
     losses = json.loads((tmp_path / "losses.json").read_text())

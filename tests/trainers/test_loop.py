@@ -15,9 +15,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.hparams import plugin_data_pb2
 
 from nats import NatsForCausalLM
-from nats.analysis import routing_map_image
-from nats.analysis.routing_maps import routing_figure
 from nats.trainers import build_batches, evaluate, latest_checkpoint, preset, train
+from nats.trainers.routing_maps import routing_figure, routing_map_image
 from nats.trainers.tensorboard_log import MAP_SEQUENCES
 
 from .conftest import MicroConfig

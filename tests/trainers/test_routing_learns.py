@@ -25,6 +25,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from nats import NatsConfig
 from nats.trainers import TrainConfig, train
 
+pytestmark = pytest.mark.slow  # a 600-step training run
+
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, float], list[float]]:

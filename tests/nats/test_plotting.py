@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nats.analysis.plotting import format_si, format_tick, tick_labels
+from nats.plotting import format_si, format_tick, tick_labels
 
 
 def test_ticks_of_a_narrow_range_get_the_digits_that_tell_them_apart() -> None:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from nats.analysis.routing_maps import (
+from nats.trainers.routing_maps import (
     GRID_LEFT,
     GRID_TOP,
     LINEAR_RGB,
@@ -52,7 +52,7 @@ def test_fraction_bars_follow_this_input() -> None:
     text_free = np.asarray(fig)[GRID_TOP + ROW_HEIGHT]  # the bar's row: middle of the layer
     bar = np.where((text_free == SOFTMAX_RGB).all(-1))[0]
     bar = bar[bar > GRID_LEFT + 3 * 10]  # right of the grid
-    from nats.analysis.routing_maps import BAR_WIDTH
+    from nats.trainers.routing_maps import BAR_WIDTH
 
     assert len(bar) == pytest.approx(0.2 * BAR_WIDTH, abs=2)
 

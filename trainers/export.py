@@ -26,24 +26,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file
 
-from nats.analysis.softmax_fraction import (
+from nats.atomic_write import atomic_write_bytes
+from nats.config import LAYER_LISTS, NatsConfig
+from nats.model import CONFIG_FILE, WEIGHTS_FILE, NatsForCausalLM
+from nats.softmax_fraction import (
     ALL_LINEAR,
     ALL_SOFTMAX,
     LayerFraction,
     measure_softmax_fraction,
 )
 
-from .atomic_write import atomic_write_bytes
-from .config import LAYER_LISTS, NatsConfig
-from .model import CONFIG_FILE, WEIGHTS_FILE, NatsForCausalLM
+from .sources import TRAIN_CONFIG_FILE, TRAINING_FILE, load_model
 
 README_FILE = "README.md"
-TRAIN_CONFIG_FILE = "train_config.json"
-TRAINING_FILE = "training.json"
-"""An export's run config (not ``train_config.json``, which marks a run folder)."""
 PLAIN_KIND = {ALL_SOFTMAX: "softmax", ALL_LINEAR: "gdn"}
 """The plain layer type that a NAtS-L layer with these routes is exported as."""
 _NAMES = {"nats": "NAtS-L (hybrid)", "softmax": "softmax attention"}
@@ -52,17 +48,6 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 if TYPE_CHECKING:
     from nats.trainers import TrainConfig
-
-
-@dataclass(frozen=True)
-class LoadedSource:
-    """A trained model and what is known of where it came from."""
-
-    model: NatsForCausalLM
-    train_config: TrainConfig
-    """The run's config: its evaluation data."""
-    origin: str
-    """One line for the README, e.g. ``run runs/tiny (model/, step 300)``."""
 
 
 @dataclass(frozen=True)
@@ -100,88 +85,15 @@ class ExportResult:
         return out + [p for p in (self.weights, self.training) if p] + [self.readme]
 
 
-# -- reading a run or a checkpoint ---------------------------------------------------------
-
-
-def load_source(source: str | os.PathLike, device: str | torch.device = "cpu") -> LoadedSource:
-    """The model of a run folder (its ``model/``, else its newest checkpoint) or of one
-    checkpoint file, with the run's training config. Bad input raises ``ValueError`` or
-    ``FileNotFoundError`` with a one-line message."""
-    from nats.trainers import TrainConfig, latest_checkpoint
-
-    path = _checked_source(source)
-    if path.is_file():
-        return _load_checkpoint(path, device, origin=f"checkpoint {path}")
-    try:
-        train_config = TrainConfig.from_dict(json.loads((path / TRAIN_CONFIG_FILE).read_text()))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path / TRAIN_CONFIG_FILE} is not valid JSON: {e}") from None
-    model_dir = path / "model"
-    newest = latest_checkpoint(path)
-    if (model_dir / CONFIG_FILE).is_file():
-        model = NatsForCausalLM.from_pretrained(model_dir, device=device)
-        if model.config != train_config.model:
-            raise ValueError(f"{model_dir} holds another model than {path / TRAIN_CONFIG_FILE} "
-                             "describes")
-        step = _step_if_same_weights(newest, model) if newest else None
-        when = f"step {step}" if step is not None else "final model"
-        return LoadedSource(model, train_config, f"run {path} (model/, {when})")
-    if newest is None:
-        raise ValueError(f"{path} holds no trained model: neither model/ nor a checkpoint")
-    return _load_checkpoint(newest, device, origin=f"run {path} (newest checkpoint)")
-
-
-def _checked_source(source: str | os.PathLike) -> Path:
-    """``source`` as a path, if it is a file or a folder holding ``train_config.json``."""
-    path = Path(source)
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: give a run folder or a checkpoint "
-                                "file (run/checkpoints/step_*.safetensors)")
-    if path.is_dir() and not (path / TRAIN_CONFIG_FILE).is_file():
-        raise ValueError(f"{path} is not a nats run folder: it has no {TRAIN_CONFIG_FILE} "
-                         "(give the run folder itself, or a checkpoint file)")
-    return path
-
-
 def _source_folders(path: Path) -> set[Path]:
     """The run folder, its ``model/`` and checkpoint folder, which an export must not
-    overwrite: ``path`` is a run folder or a checkpoint file in ``run/checkpoints/``."""
+    overwrite: ``path`` is a run or model folder, or a checkpoint file in
+    ``run/checkpoints/``."""
     if path.is_dir():
         run = path
     else:
         run = path.parent.parent if path.parent.name == "checkpoints" else path.parent
     return {p.resolve() for p in (run, run / "model", run / "checkpoints")}
-
-
-def _load_checkpoint(path: Path, device: str | torch.device, origin: str) -> LoadedSource:
-    from nats.trainers import TrainConfig
-    from nats.trainers.checkpoint import read_checkpoint_meta
-
-    try:
-        meta = read_checkpoint_meta(path)
-    except SafetensorError as e:
-        raise ValueError(f"{path} is not a nats checkpoint: {e}") from None
-    train_config = TrainConfig.from_dict(meta["config"])
-    tensors = load_file(str(path), device=str(device))
-    state = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
-    with torch.device(device):
-        model = NatsForCausalLM(train_config.model)
-    model = model.to(state["embed.weight"].dtype)
-    model.load_state_dict(state)
-    return LoadedSource(model, train_config, f"{origin}, step {meta['step']}")
-
-
-def _step_if_same_weights(checkpoint: Path, model: NatsForCausalLM) -> int | None:
-    """The checkpoint's step if it holds exactly ``model``'s weights (the run's last save)."""
-    from nats.trainers.checkpoint import read_checkpoint_meta
-
-    with safe_open(str(checkpoint), framework="pt") as f:
-        keys = set(f.keys())
-        for name, tensor in model.state_dict().items():
-            key = f"model/{name}"
-            if key not in keys or not torch.equal(f.get_tensor(key), tensor.cpu()):
-                return None
-    return int(read_checkpoint_meta(checkpoint)["step"])
 
 
 # -- exporting -------------------------------------------------------------------------------
@@ -251,7 +163,8 @@ def export_architecture(source: str | os.PathLike, out_dir: str | os.PathLike, *
                         weights: bool = True, plain_layers: bool = False,
                         eval_batches: int | None = None, device: str = "cpu",
                         force: bool = False, init_seed: int = 0) -> ExportResult:
-    """Export a run folder or checkpoint file (see :func:`load_source`) to ``out_dir``.
+    """Export a run folder, a checkpoint file or an export (see
+    :func:`~nats.trainers.sources.load_model`) to ``out_dir``.
 
     The softmax fractions are measured on the run's first ``eval_batches`` fixed
     evaluation batches (default: as many as the run evaluated on; 0: no measurement)
@@ -265,11 +178,14 @@ def export_architecture(source: str | os.PathLike, out_dir: str | os.PathLike, *
     if plain_layers and eval_batches == 0:
         raise ValueError("plain layers need measured routes: --eval-batches must be >= 1")
     out = Path(out_dir)
-    if out.resolve() in _source_folders(_checked_source(source)):
+    if Path(source).exists() and out.resolve() in _source_folders(Path(source)):
         raise ValueError(f"--out {out} is the run being exported; choose another folder")
     check_out_dir(out, force)
-    loaded = load_source(source, resolve_device(device))
+    loaded = load_model(source, resolve_device(device))
     tc = loaded.train_config
+    if tc is None:
+        raise ValueError(f"{source} holds no record of its training run ({TRAINING_FILE}, or a "
+                         f"run's {TRAIN_CONFIG_FILE}): export its run folder or checkpoint")
     count = tc.eval_batches if eval_batches is None else eval_batches
     batches = build_batches(tc).eval(count) if count else []
     described = (f"the run's first {count} evaluation batch(es) of {tc.batch_size} x "

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from .atomic_write import atomic_write_bytes
-from .config import NatsConfig
-from .cuda_graph import GraphedDecoder
-from .model import NatsForCausalLM
+from nats.atomic_write import atomic_write_bytes
+from nats.config import NatsConfig
+from nats.cuda_graph import GraphedDecoder
+from nats.model import NatsForCausalLM
 
 
 def decode_config(**changes) -> NatsConfig:

@@ -355,7 +355,7 @@ def plot_result(result: AttentionBenchResult, path: Path) -> Path:
     """Log-log panels: forward ms against T (solid: softmax and chunked, dashed:
     recurrent), decode ms per token and the bytes a step reads against the context."""
 
-    from nats.analysis.plotting import (
+    from nats.plotting import (
         PALETTE,
         Series,
         format_tokens,

@@ -6,8 +6,12 @@ import pytest
 import torch
 
 from nats import NatsConfig, NatsForCausalLM
-from nats.analysis import LayerFraction, measure_softmax_fraction
-from nats.analysis.softmax_fraction import chunk_token_counts, softmax_token_counts
+from nats.softmax_fraction import (
+    LayerFraction,
+    chunk_token_counts,
+    measure_softmax_fraction,
+    softmax_token_counts,
+)
 
 
 def _routes(sm: list[list[list[int]]]) -> torch.Tensor:

@@ -16,8 +16,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from nats.kernels import SOFTMAX
-
-from .plotting import (
+from nats.plotting import (
     Axes,
     LegendItem,
     draw_legend,
@@ -26,7 +25,7 @@ from .plotting import (
     nice_ticks,
     vertical_text,
 )
-from .softmax_fraction import softmax_token_counts
+from nats.softmax_fraction import softmax_token_counts
 
 SOFTMAX_RGB = (255, 170, 30)
 """Colour of a chunk routed to softmax attention (kept in the KV cache)."""

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from nats import NatsConfig, NatsForCausalLM
-from nats.analysis import LayerFraction
-from nats.analysis.cost_model import (
+from nats.cost_model import (
     DEFAULT_CONTEXTS,
     all_linear,
     all_softmax,
@@ -19,6 +18,7 @@ from nats.analysis.cost_model import (
     fractions_from_measurement,
 )
 from nats.kernels.reference.softmax_attention import hybrid_key_weights
+from nats.softmax_fraction import LayerFraction
 
 
 def _cfg(layer_types=("nats",), n_heads=1, r=2, dk=8, dv=8, chunk=16,

@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from .plotting import (
+from nats.plotting import (
     Axes,
     LegendItem,
     draw_legend,

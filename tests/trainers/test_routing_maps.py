@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from nats.analysis import routing_map, routing_map_image
-from nats.analysis.routing_maps import LINEAR_RGB, SOFTMAX_RGB
+from nats.trainers.routing_maps import LINEAR_RGB, SOFTMAX_RGB, routing_map, routing_map_image
 
 
 def _routes(sm: list[list[list[int]]]) -> torch.Tensor:

@@ -12,8 +12,8 @@ from safetensors.torch import save_file
 
 from nats import ConfigError, NatsConfig, NatsForCausalLM
 from nats.cli import main
-from nats.export import export_architecture, export_model
 from nats.trainers import TrainConfig, build_batches, latest_checkpoint, train
+from nats.trainers.export import export_architecture, export_model
 
 LAYERS = ("nats", "softmax", "nats")
 
@@ -125,8 +125,8 @@ def test_no_weights_writes_config_and_readme_only(run: Path, tmp_path: Path) -> 
 
 
 def test_the_export_carries_the_task_it_was_trained_on(run: Path, tmp_path: Path) -> None:
-    from nats.evaluation.loading import load_for_eval
     from nats.trainers import run_config
+    from nats.trainers.sources import load_model
 
     result = export_architecture(run, tmp_path / "out")
     trained = TrainConfig.from_dict(json.loads((run / "train_config.json").read_text()))
@@ -140,7 +140,7 @@ def test_the_export_carries_the_task_it_was_trained_on(run: Path, tmp_path: Path
                        config_path=str(result.training))
     assert again.task == "copy" and again.model == result.config
     # nats eval evaluates the export on its own task.
-    assert load_for_eval(result.out_dir, torch.device("cpu")).train_config.task == "copy"
+    assert load_model(result.out_dir, torch.device("cpu")).train_config.task == "copy"
 
 
 def test_readme_of_a_plain_stack_claims_no_routes(tmp_path: Path) -> None:
@@ -249,8 +249,11 @@ def test_refusals(run: Path, tmp_path: Path) -> None:
         export_architecture(run, tmp_path / "x", eval_batches=-1)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         export_architecture(tmp_path / "nothing", tmp_path / "x")
-    with pytest.raises(ValueError, match="not a nats run folder"):
+    with pytest.raises(ValueError, match="neither a run folder"):
         export_architecture(tmp_path / "full", tmp_path / "x")
+    NatsForCausalLM.from_pretrained(run / "model").save_pretrained(tmp_path / "saved")
+    with pytest.raises(ValueError, match="no record of its training run"):
+        export_architecture(tmp_path / "saved", tmp_path / "x")
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
     save_file({"w": torch.zeros(1)}, str(tmp_path / "plain.safetensors"))
     for bad in ("junk.safetensors", "plain.safetensors"):
