@@ -6,7 +6,7 @@ Chunk 64 (one kernel chunk per routing chunk), dense B = 1, the GPU test's input
 rounding point of the kernels (bf16 storage, bf16 / tf32 dot operands) is applied to
 float64 values; everything else is float64. The reference is the same pass with no rounding
 (inputs rounded to bf16 as the test's reference sees them). The Triton interpreter cannot do
-this: its bf16 dot multiplies the raw uint16 bits. Result (docs/GDR_PERF.md): forming
+this: its bf16 dot multiplies the raw uint16 bits. Result (docs/history/GDR_PERF.md): forming
 u = A (beta * v) from a bf16-rounded ``beta * v`` gives ~1.05e-2 droutes error; folding
 beta into A's columns (what the kernels now do) gives ~3e-3, as float32 A did.
 """
