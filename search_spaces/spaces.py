@@ -54,6 +54,10 @@ INT_PARAMS = ("n_layers", "d_model", "n_heads", "softmax_heads_per_head", "warmu
               "batch_size", "steps")
 """Positive integers (``warmup_steps`` may be 0)."""
 FLOAT_PARAMS = ("reg_lambda", "lr", "weight_decay", "softmax_target")
+ROUTING_PARAMS = ("chunk_size", "reg_lambda", "softmax_target")
+"""Keys that only NAtS-L layers read: a trial without one is not asked for them (Optuna
+would otherwise credit them with differences they cannot cause, and a trial differing
+only in them would train the same model again)."""
 CHOICE_PARAMS = {"chunk_size": ("chunk sizes", CHUNK_SIZES), "linear_op": ("operators", LINEAR_OPS)}
 """Keys whose values come from a fixed set: a list of them, never a range."""
 
@@ -124,19 +128,26 @@ class SearchSpace:
         return next((d for d in self.dims if d.name == name), None)
 
     def sample(self, trial: Any, base: TrainConfig) -> TrainConfig:
-        """The trial's config: ``base`` with every dimension suggested by ``trial``."""
+        """The trial's config: ``base`` with every dimension suggested by ``trial``, the
+        layer types first: :data:`ROUTING_PARAMS` are suggested only for a model with a
+        NAtS-L layer (a conditional space; the others keep ``base``'s values)."""
         model_changes: dict[str, Any] = {}
         train_changes: dict[str, Any] = {}
-        for dim in self.dims:
-            value = dim.suggest(trial)
-            (model_changes if dim.name in MODEL_PARAMS else train_changes)[dim.name] = value
-        n_layers = model_changes.get("n_layers", base.model.n_layers)
+        depth = self.dim("n_layers")
+        n_layers = depth.suggest(trial) if depth is not None else base.model.n_layers
+        model_changes["n_layers"] = n_layers
+        types = base.model.layer_types
         if self.layers is not None:
-            model_changes["layer_types"] = self.layers.suggest(trial, n_layers)
+            types = self.layers.suggest(trial, n_layers)
         elif n_layers != base.model.n_layers:
             # Depth without a layer mix: repeat the base's pattern, cut or extended.
-            types = base.model.layer_types
-            model_changes["layer_types"] = tuple(types[i % len(types)] for i in range(n_layers))
+            types = tuple(types[i % len(types)] for i in range(n_layers))
+        model_changes["layer_types"] = types
+        for dim in self.dims:
+            if dim.name == "n_layers" or (dim.name in ROUTING_PARAMS and "nats" not in types):
+                continue
+            value = dim.suggest(trial)
+            (model_changes if dim.name in MODEL_PARAMS else train_changes)[dim.name] = value
         return base.replace(model=base.model.replace(**model_changes), **train_changes)
 
     def describe(self) -> list[str]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from nats.search_spaces.pareto import dominates, pareto_front, plot_front
+from nats.search_spaces.pareto import dominates, pareto_front, plot_front, view_range
 
 
 def _brute_force(points: list[tuple[float, ...]], modes: list[str]) -> list[int]:
@@ -61,3 +61,26 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     with Image.open(path) as img:
         assert img.format == "PNG" and img.size == (720, 480)
     plot_front([(1.0, 1.0)], [0], tmp_path / "one.png", xlabel="x", ylabel="y")
+
+
+def test_front_points_are_drawn_over_dominated_ones(tmp_path: Path) -> None:
+    # The same points in two orders: a dominated point that nearly covers a front point
+    # must not hide it whichever comes first, so the pictures are the same.
+    points = [(1.0, 1.0), (1.0001, 1.0001), (2.0, 0.5), (3.0, 3.0)]
+    front = pareto_front(points, ["min", "min"])
+    assert front == [0, 2]
+    order = [3, 2, 1, 0]
+    a = plot_front(points, front, tmp_path / "a.png", xlabel="x", ylabel="y")
+    b = plot_front([points[i] for i in order], pareto_front([points[i] for i in order],
+                                                            ["min", "min"]),
+                   tmp_path / "b.png", xlabel="x", ylabel="y")
+    with Image.open(a) as img_a, Image.open(b) as img_b:
+        assert img_a.tobytes() == img_b.tobytes()
+
+
+def test_an_outlier_does_not_squash_the_front() -> None:
+    ys = [1.0, 1.05, 1.1, 1000.0]  # the last: a diverged trial
+    assert view_range(ys, ys[:3], log=False) == pytest.approx((1.0, 1.2))
+    assert view_range([1.0, 2.0], [1.0, 2.0], log=False) == (1.0, 2.0)  # no wider than data
+    lo, hi = view_range([1e3, 1e4, 1e9], [1e3, 1e4], log=True)
+    assert lo == 1e3 and hi == pytest.approx(1e5)

@@ -93,6 +93,27 @@ def test_define_by_run_asks_exactly_the_conditional_dimensions() -> None:
         study.tell(trial, 0.0)
 
 
+def test_routing_parameters_are_asked_only_of_models_that_route() -> None:
+    space = load_space("full")
+    params = {"n_layers": 2, "d_model": 128, "softmax_heads_per_head": 4, "linear_op": "deltanet",
+              "lr": 0.002, "layer0": "softmax", "layer1": "gdn"}
+    # No NAtS-L layer: chunk size and the routing cost are not asked for, the base's stay.
+    got = space.sample(FixedTrial(params), BASE)
+    assert (got.model.chunk_size, got.model.reg_lambda) == (BASE.model.chunk_size,
+                                                            BASE.model.reg_lambda)
+    routed = space.sample(FixedTrial({**params, "layer1": "nats", "chunk_size": 32,
+                                      "reg_lambda": 0.05}), BASE)
+    assert (routed.model.chunk_size, routed.model.reg_lambda) == (32, 0.05)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(20):
+        trial = study.ask()
+        DefineByRun(space, BASE)(trial)
+        types = {trial.params[f"layer{i}"] for i in range(trial.params["n_layers"])}
+        assert ("reg_lambda" in trial.params) == ("nats" in types)
+        study.tell(trial, 0.0)
+
+
 @pytest.mark.parametrize(("text", "needle"), [
     ("params: {chunk_size: [12, 32]}", "params.chunk_size = 12 is invalid: must be chunk "
                                        "sizes from (16, 32, 64, 128, 256)"),
