@@ -71,7 +71,7 @@ def add_search_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--max-failures", type=int, default=2,
                    help="retries of a trial whose worker dies (from its last checkpoint)")
     p.add_argument("--address", help="a running Ray cluster (default: $RAY_ADDRESS, else a "
-                                     "local Ray)")
+                                     "new Ray of this machine, listening on 127.0.0.1 only)")
     p.add_argument("--optuna-storage", metavar="URL_OR_FILE",
                    help="keep the Optuna study in a database URL or a journal file "
                         "(optuna-dashboard reads either)")

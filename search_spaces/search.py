@@ -64,6 +64,9 @@ class SearchSettings:
     asha: bool = False
     max_failures: int = 2
     optuna_storage: str | None = None
+    """A database URL or an Optuna journal file; a relative file path is relative to the
+    search folder (``run_search`` stores a file inside the folder that way, so that a copy
+    of the folder keeps its own study)."""
     study_name: str = "nats-search"
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -272,35 +275,57 @@ def run_trial(params: dict[str, Any], *, settings: SearchSettings, trials_dir: s
 # --- the driver --------------------------------------------------------------------------
 
 
-def _optuna_storage(url: str | None) -> Any:
-    """An Optuna storage from ``--optuna-storage``: a database URL (``sqlite:///f.db``,
-    ``postgresql://...``) or a file path, used as a journal file (safe for parallel use)."""
-    if url is None:
-        return None
+def _optuna_storage(url: str, folder: Path | None = None) -> Any:
+    """An Optuna storage from a database URL (``sqlite:///f.db``, ``postgresql://...``) or a
+    file path, used as a journal file (safe for parallel use). A journal file inside
+    ``folder`` is kept by its path in the folder, so that the searcher Tune pickles follows
+    a copied or moved folder (:class:`.folder_state.FolderJournal`)."""
     import optuna
 
     if "://" in url:
         return optuna.storages.RDBStorage(url)
     from optuna.storages.journal import JournalFileBackend, JournalStorage
 
-    return JournalStorage(JournalFileBackend(str(Path(url).resolve())))
+    path = Path(url).resolve()
+    if folder is not None and path.is_relative_to(folder):
+        from .folder_state import FolderJournal
+
+        return JournalStorage(FolderJournal(folder, path.relative_to(folder).as_posix()))
+    return JournalStorage(JournalFileBackend(str(path)))
 
 
 def _check_storage(settings: SearchSettings, out: Path) -> None:
     """Open the Optuna storage before Ray starts, so that a bad ``--optuna-storage`` is one
     line and leaves no half-made search behind."""
+    if settings.optuna_storage is None:
+        return
+    where = study_storage(settings, out)
+    if "://" not in where and Path(where).is_relative_to(out):
+        Path(where).parent.mkdir(parents=True, exist_ok=True)  # a part of the search folder
     try:
-        _optuna_storage(study_storage(settings, out) if settings.optuna_storage else None)
+        _optuna_storage(where)
     except Exception as e:  # SQLAlchemy, drivers and Optuna each have their own errors
         reason = " ".join(str(e).split())[:200]
-        raise ValueError(f"--optuna-storage {settings.optuna_storage!r} cannot be opened "
+        raise ValueError(f"--optuna-storage {where!r} cannot be opened "
                          f"({type(e).__name__}: {reason})") from None
 
 
 def study_storage(settings: SearchSettings, out: Path) -> str:
-    """Where the search in ``out`` keeps its Optuna study: ``--optuna-storage``, else the
-    journal file :data:`STUDY_FILE` in ``out``."""
-    return settings.optuna_storage or str(Path(out).resolve() / STUDY_FILE)
+    """Where the search in ``out`` keeps its Optuna study: ``--optuna-storage`` (a relative
+    file path is relative to ``out``), else the journal file :data:`STUDY_FILE` in ``out``."""
+    where = settings.optuna_storage or STUDY_FILE
+    return where if "://" in where else str(Path(out).resolve() / where)
+
+
+def _storage_in_folder(settings: SearchSettings, out: Path) -> SearchSettings:
+    """``settings`` with a ``--optuna-storage`` journal file named relative to ``out`` when
+    it lies inside, else absolute: a copy of the folder then keeps its own study."""
+    where = settings.optuna_storage
+    if where is None or "://" in where:
+        return settings
+    path = (out / where).resolve()
+    name = path.relative_to(out).as_posix() if path.is_relative_to(out) else str(path)
+    return dataclasses.replace(settings, optuna_storage=name)
 
 
 def load_study(out: str | Path) -> Any:
@@ -342,7 +367,10 @@ def _tuner(settings: SearchSettings, out: Path) -> Any:
     import optuna
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
+    from ray.tune.search import ConcurrencyLimiter
     from ray.tune.search.optuna import OptunaSearch
+
+    from .folder_state import FolderSearch
 
     metrics, modes = settings.keys_and_modes
     base = settings.base_config()
@@ -354,8 +382,11 @@ def _tuner(settings: SearchSettings, out: Path) -> Any:
                             metric=metrics if len(metrics) > 1 else metrics[0],
                             mode=modes if len(modes) > 1 else modes[0],
                             sampler=_sampler(settings),
-                            storage=_optuna_storage(study_storage(settings, out)),
+                            storage=_optuna_storage(study_storage(settings, out), out),
                             study_name=settings.study_name)
+    # What Tune would wrap the searcher in for `max_concurrent_trials`, made here so that
+    # the generator is ours: it follows the folder on a restore.
+    search = FolderSearch(ConcurrencyLimiter(searcher, max_concurrent=settings.max_concurrent))
     scheduler = None
     if settings.asha:
         key, mode = settings.quality_key
@@ -364,9 +395,8 @@ def _tuner(settings: SearchSettings, out: Path) -> Any:
                                   reduction_factor=2)
     return tune.Tuner(
         _trainable(settings, out),
-        tune_config=tune.TuneConfig(search_alg=searcher, scheduler=scheduler,
+        tune_config=tune.TuneConfig(search_alg=search, scheduler=scheduler,
                                     num_samples=settings.num_trials,
-                                    max_concurrent_trials=settings.max_concurrent,
                                     time_budget_s=settings.time_budget_s),
         run_config=tune.RunConfig(
             name=TUNE_NAME, storage_path=str(out),
@@ -375,8 +405,9 @@ def _tuner(settings: SearchSettings, out: Path) -> Any:
 
 
 def _ray_init(address: str | None) -> bool:
-    """Connect to ``address`` (or ``RAY_ADDRESS``), else start a local Ray; ``True`` when
-    this call started it (and so should shut it down)."""
+    """Connect to ``address`` (or ``RAY_ADDRESS``), else start a local Ray that listens on
+    the loopback interface only; ``True`` when this call started it (and so should shut it
+    down, or disconnect)."""
     import ray
 
     if ray.is_initialized():
@@ -388,13 +419,38 @@ def _ray_init(address: str | None) -> bool:
         except ConnectionError as e:
             hint = ""
             if os.environ.get("RAY_AUTH_MODE") != "token":
-                hint = ("; a cluster started by `ray start` (Ray >= 2.59) requires token "
-                        "authentication: set RAY_AUTH_MODE=token here too (the token comes "
-                        "from RAY_AUTH_TOKEN or ~/.ray/auth_token)")
+                hint = ("; a cluster with token authentication (`ray start` turns it on "
+                        "where a token exists) refuses clients without the token: set "
+                        "RAY_AUTH_MODE=token here too (the token comes from RAY_AUTH_TOKEN, "
+                        "the file RAY_AUTH_TOKEN_PATH names, or ~/.ray/auth_token)")
             raise ConnectionError(f"{e}{hint}") from e
     else:
-        ray.init(include_dashboard=False)
+        _start_local_ray()
     return True
+
+
+def _start_local_ray(**options: Any) -> None:
+    """A new Ray of this machine alone (never one that ``ray start`` left running), whose
+    processes listen on 127.0.0.1 only; ``options`` go to ``ray.init`` (tests keep their
+    Ray small and quiet).
+
+    Ray's servers listen on the node's IP address when it is a loopback address, else on
+    every interface (the runtime-env agent on the node's address). On Linux the node's
+    address is the machine's routable one unless multi-node clusters are off
+    (``ENABLE_RAY_CLUSTER``, read from ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` when Ray is
+    imported, so setting the variable here is too late): then it is 127.0.0.1, as on macOS
+    and Windows. ``ray.init`` swaps a loopback ``_node_ip_address`` for the routable
+    address, so that argument cannot do it either.
+    """
+    import ray
+    from ray._private import ray_constants
+
+    clusters = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(address="local", include_dashboard=False, **options)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = clusters
 
 
 def _with_ray(address: str | None, fit: Any) -> Any:
@@ -447,12 +503,17 @@ def run_search(settings: SearchSettings, out: str | Path, *,
                               "choose another --out")
     if out.is_file():
         raise FileExistsError(f"--out {out} is a file, not a folder")
+    settings = _storage_in_folder(settings, out)
     _check_storage(settings, out)
+    from .folder_state import searching  # imports Ray and Optuna: after the quick checks
+
     with exclusive(out, "search folder"):
         (out / "trials").mkdir(parents=True, exist_ok=True)
         settings.save(out)
         try:
-            return _with_ray(address, lambda: _outcome(_tuner(settings, out).fit(), settings))
+            with searching(out):
+                return _with_ray(address,
+                                 lambda: _outcome(_tuner(settings, out).fit(), settings))
         finally:
             tune_state.sign(out / TUNE_NAME, out)
 
@@ -462,8 +523,12 @@ def resume_search(out: str | Path, *, address: str | None = None,
     """Continue the search in ``out`` (``Tuner.restore``): finished trials are kept,
     unfinished ones resume from their checkpoints, errored ones are retried. The Tune
     state is restored only if it carries this user's signature (:mod:`.tune_state`) or
-    ``trust_tune_state`` says to trust it."""
+    ``trust_tune_state`` says to trust it. ``out`` may be a copy of the folder the search
+    was made in, or that folder moved: it is the only folder written
+    (:mod:`.folder_state`)."""
     from ray import tune
+
+    from .folder_state import searching
 
     out = Path(out).resolve()
     settings = SearchSettings.load(out)
@@ -486,6 +551,7 @@ def resume_search(out: str | Path, *, address: str | None = None,
         if restorable and not trust_tune_state:
             tune_state.verify(path, out)  # before the try: refused state is never signed
         try:
-            return _with_ray(address, fit)
+            with searching(out):
+                return _with_ray(address, fit)
         finally:
             tune_state.sign(path, out)

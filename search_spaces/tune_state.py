@@ -9,6 +9,9 @@ restores only state that verifies. A folder whose driver was killed before it co
 (kill -9, a lost node) is refused too; ``--trust-tune-state`` resumes it anyway, for a
 folder you made yourself. Everything else a search folder holds is JSON, CSV,
 safetensors or images, which nothing executes.
+
+The digest covers each file's path relative to ``DIR/tune``, never where ``DIR`` is, so a
+copied or moved folder still verifies.
 """
 
 from __future__ import annotations

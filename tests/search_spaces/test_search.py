@@ -1,9 +1,12 @@
 """Tiny searches on the CPU with a local Ray: results, front and export agree; an
-interrupted search resumes; the command's errors are one line."""
+interrupted search resumes, also from a copied or moved folder; the local Ray listens on
+the loopback interface only; the command's errors are one line."""
 
 from __future__ import annotations
 
 import csv
+import dataclasses
+import ipaddress
 import json
 import os
 import pickle
@@ -16,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from nats.cli import main
+from nats.search_spaces import search
 from nats.search_spaces.objectives import COSTS, QUALITY
 from nats.search_spaces.pareto import pareto_front
 
@@ -34,7 +38,9 @@ def state_key(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Monk
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    """A Ray started as `nats search` starts one (on the loopback interface), small and
+    quiet."""
+    search._start_local_ray(num_cpus=2, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -133,8 +139,10 @@ def test_a_trial_whose_worker_dies_resumes_from_its_checkpoint(tmp_path: Path, l
     assert _rows(out)[0]["status"] == "done"
 
 
-def test_interrupted_search_resumes(tmp_path: Path, local_ray, capsys) -> None:
-    out = tmp_path / "search"
+def _interrupt_at_the_second_trial(out: Path, options: list[str],
+                                   capsys: pytest.CaptureFixture[str]) -> dict[str, int]:
+    """Run a search of 3 trials of 40 steps, one at a time, into ``out`` and stop it once the
+    second has started; the finished first trial's id and its model's mtime."""
     stop = threading.Event()
     finished: dict[str, int] = {}
 
@@ -155,7 +163,7 @@ def test_interrupted_search_resumes(tmp_path: Path, local_ray, capsys) -> None:
     watcher.start()
     try:
         status = main(["search", "--steps", "40", "--num-trials", "3", "--max-concurrent", "1",
-                       "--metric", "acc", "--cost", "kv", "--out", str(out)])
+                       *options, "--out", str(out)])
     finally:
         stop.set()
         watcher.join()
@@ -163,6 +171,12 @@ def test_interrupted_search_resumes(tmp_path: Path, local_ray, capsys) -> None:
     assert "nats search --resume" in capsys.readouterr().err
     assert not (out / "export").exists()
     assert len(finished) == 1
+    return finished
+
+
+def test_interrupted_search_resumes(tmp_path: Path, local_ray, capsys) -> None:
+    out = tmp_path / "search"
+    finished = _interrupt_at_the_second_trial(out, ["--metric", "acc", "--cost", "kv"], capsys)
 
     assert main(["search", "--resume", str(out)]) == 0
     got = _check_consistent(out, metric="acc", cost="kv")
@@ -170,6 +184,95 @@ def test_interrupted_search_resumes(tmp_path: Path, local_ray, capsys) -> None:
     # Finished trials were kept, not trained again.
     for trial_id, mtime in finished.items():
         assert (out / "trials" / trial_id / "model").stat().st_mtime_ns == mtime
+
+
+def _files(folder: Path) -> dict[str, tuple[int, int]]:
+    return {p.relative_to(folder).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in folder.rglob("*") if p.is_file()}
+
+
+def test_a_copied_or_moved_search_resumes_in_the_copy_alone(tmp_path: Path, local_ray,
+                                                             capsys) -> None:
+    """Tune's pickled state named the folder by its absolute path (the Optuna journal, the
+    storage of the trials made after a restore): resuming a copy wrote the original's
+    journal and Tune trial folders, and failed with ENOENT once the original was gone."""
+    out = tmp_path / "search"
+    # No retries: a trial that fails once (its Tune storage in the vanished original) fails.
+    _interrupt_at_the_second_trial(out, ["--max-failures", "0"], capsys)
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    moved = out.rename(tmp_path / "moved")  # the copy's origin is gone; the moved folder ...
+    untouched = _files(moved)
+    journal = (copy / "optuna_study.journal").read_bytes()
+    started = {p.name for p in (copy / "trials").iterdir()}
+    assert len(started) == 2
+
+    assert main(["search", "--resume", str(copy)]) == 0  # the copy's signature verifies
+    assert not out.exists() and _files(moved) == untouched  # ... is never written
+    rows = _check_consistent(copy)["rows"]
+    assert len(rows) == 3 and all(r["status"] == "done" for r in rows)
+    assert started < {r["trial_id"] for r in rows}
+    grown = (copy / "optuna_study.journal").read_bytes()
+    assert grown.startswith(journal) and len(grown) > len(journal)
+    study = search.load_study(copy)
+    assert [t.state.name for t in study.trials] == ["COMPLETE"] * 3
+    # Tune's trial folders: run_trial_<trial id>_<number>_<parameters>_<time>
+    tune_trials = {p.name.split("_")[2] for p in (copy / "tune").glob("run_trial_*")}
+    assert tune_trials == {r["trial_id"] for r in rows}
+
+
+def test_a_study_journal_inside_the_folder_follows_a_copy(tmp_path: Path) -> None:
+    """`--optuna-storage` inside DIR is saved relative to it, and the journal that Tune
+    pickles with the searcher names its place in the folder alone: unpickled for a copy,
+    it is the copy's journal."""
+    import optuna
+
+    from nats.search_spaces.builtin import DEFAULT_BASE, DEFAULT_SPACE, search_base
+    from nats.search_spaces.folder_state import searching
+    from nats.search_spaces.spaces import load_space
+
+    made, copy = tmp_path / "made", tmp_path / "copy"
+    settings = search.make_settings(load_space(DEFAULT_SPACE), search_base(DEFAULT_BASE),
+                                    optuna_storage=str(made / "study.log"))
+    saved = search._storage_in_folder(settings, made)
+    assert saved.optuna_storage == "study.log"
+    assert search.study_storage(saved, copy) == str(copy / "study.log")
+    outside = dataclasses.replace(settings, optuna_storage=str(tmp_path / "study.log"))
+    assert search._storage_in_folder(outside, made) == outside
+    made.mkdir()
+    copy.mkdir()
+    state = pickle.dumps(search._optuna_storage(search.study_storage(saved, made), made))
+    assert str(made).encode() not in state
+    with pytest.raises(RuntimeError, match="nats search --resume"):
+        pickle.loads(state)
+    with searching(copy):
+        optuna.create_study(storage=pickle.loads(state), study_name="nats-search")
+    assert (copy / "study.log").stat().st_size > 0
+    assert (made / "study.log").stat().st_size == 0
+
+
+def _loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip)
+    return (getattr(address, "ipv4_mapped", None) or address).is_loopback
+
+
+def test_a_local_ray_listens_on_the_loopback_interface_only(local_ray) -> None:
+    """Ray's servers listened on every interface (`*:port`); a local search's Ray is this
+    machine's alone."""
+    psutil = pytest.importorskip("psutil")
+
+    def worker_pid() -> int:
+        return os.getpid()
+
+    worker = ray.get(ray.remote(worker_pid).remote())
+    ours = {os.getpid(), *(p.pid for p in psutil.Process().children(recursive=True))}
+    assert worker in ours
+    listening = {(c.laddr.ip, c.laddr.port) for c in psutil.net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN and c.pid in ours}
+    gcs_port = int(ray.get_runtime_context().gcs_address.rsplit(":", 1)[1])
+    assert gcs_port in {port for _, port in listening}
+    exposed = [(ip, port) for ip, port in listening if not _loopback(ip)]
+    assert not exposed, f"Ray listens beyond this machine: {exposed}"
 
 
 def test_latency_cost_is_measured_per_trial(tmp_path: Path, local_ray, capsys) -> None:
@@ -189,8 +292,6 @@ def test_latency_cost_is_measured_per_trial(tmp_path: Path, local_ray, capsys) -
 def test_a_refused_cluster_connection_names_token_authentication(monkeypatch, capsys) -> None:
     """Ray >= 2.59 clusters from `ray start` require a token that a client only sends with
     RAY_AUTH_MODE=token: the one-line error says so (seen with Ray 2.60 here)."""
-    import nats.search_spaces.search as search
-
     def refuse(**kwargs) -> None:
         raise ConnectionError(f"Failed to connect to Ray cluster at {kwargs['address']}")
 
