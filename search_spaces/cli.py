@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from .builtin import BUILTIN_SPACES, DEFAULT_BASE, DEFAULT_SPACE, SEARCH_BASES, search_base
 from .objectives import COSTS, OBJECTIVES, QUALITY
-from .search import SAMPLERS, FitOutcome, make_settings, resume_search, run_search
+from .search import SAMPLERS, SETTINGS_FILE, FitOutcome, make_settings, resume_search, run_search
 from .spaces import load_space
 
 DEFAULT_OUT = "runs/search"
@@ -36,8 +37,9 @@ def add_search_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--config", metavar="JSON",
                    help="base from a model's config.json or a run's train_config.json")
     p.add_argument("--steps", type=int, help="training steps of every trial")
-    p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
-                   help=f"search folder, local or shared (default {DEFAULT_OUT})")
+    p.add_argument("--out", metavar="DIR",
+                   help=f"search folder, local or shared (default {DEFAULT_OUT}, or the "
+                        f"first free {DEFAULT_OUT}-N once that holds a search)")
     p.add_argument("--resume", metavar="DIR", help="continue an interrupted search")
     p.add_argument("--trust-tune-state", action="store_true",
                    help="with --resume: restore Ray Tune's state (pickles) even without this "
@@ -103,8 +105,43 @@ def _base(args: argparse.Namespace):
     return base
 
 
+def default_out() -> Path:
+    """:data:`DEFAULT_OUT`, or the first ``DEFAULT_OUT-N`` that holds no search: running
+    the README's command again starts a new search instead of failing."""
+    out, n = Path(DEFAULT_OUT), 2
+    while (out / SETTINGS_FILE).exists():
+        out, n = Path(f"{DEFAULT_OUT}-{n}"), n + 1
+    return out
+
+
+def chosen_summary(exported: Any, context: int) -> list[str]:
+    """What the exported architecture routes and costs, against the pure forms at the
+    search's context length (the measured softmax fraction of each NAtS-L layer)."""
+    from nats.cost_model import architecture_cost, compare_costs, fractions_from_measurement
+
+    cfg = exported.config
+    if "nats" in cfg.layer_types and not exported.fractions:
+        return []  # routes not measured: no honest cost
+    lines, fractions = [], (None,) * cfg.n_layers
+    if exported.fractions:
+        shares = ", ".join(f"layer {i} {f.overall:.2f}" for i, f in
+                           sorted(exported.fractions.items()))
+        lines.append(f"softmax share of the NAtS-L layers' tokens (eval data): {shares}")
+        fractions = fractions_from_measurement(cfg, exported.fractions)
+    costs = {"this model": architecture_cost(cfg, fractions, context)}
+    costs.update({name: curve[0] for name, curve in
+                  compare_costs(cfg, fractions, (context,)).items() if name != "model"})
+    lines.append(f"attention cost at {context:,} tokens (FLOPs per token, KV cache, state):")
+    for name, cost in costs.items():
+        lines.append(f"  {name:<11} {cost.flops_per_token / 1e6:8.2f} M  "
+                     f"{cost.kv_cache_bytes / 2**20:8.2f} MiB  {cost.state_bytes / 2**10:8.1f} KiB")
+    return lines
+
+
 def _report(out: Path, errors: dict[str, str], pick_choice: str | None,
             export: bool = True) -> None:
+    from nats.trainers.export import retrain_command
+
     from .results import EXPORT_DIR, collect, export_pick, pick, table, write
 
     results = collect(out, errors, finished=True)
@@ -124,8 +161,10 @@ def _report(out: Path, errors: dict[str, str], pick_choice: str | None,
         exported = export_pick(results, out, index)
         print(f"nats: exported trial {row['trial_id']} ({row['layer_types']}, chunk "
               f"{row['chunk_size']}) to {out / EXPORT_DIR}: {exported.config.layer_types}")
-        print(f"      train it at scale: nats train --config {out / EXPORT_DIR}/config.json "
-              f"--init-from {out / EXPORT_DIR} ...")
+        for line in chosen_summary(exported, results.settings.context):
+            print(f"      {line}")
+        print(f"      train it at scale: {retrain_command(exported)} --init-from "
+              f"{out / EXPORT_DIR} ...")
     elif export:
         print("nats: no trial finished: nothing exported", file=sys.stderr)
     print(f"      TensorBoard of every trial: tensorboard --logdir {out / 'trials'}")
@@ -168,7 +207,7 @@ def search_command(args: argparse.Namespace) -> int:
         cpus_per_trial=args.cpus_per_trial, gpus_per_trial=args.gpus_per_trial,
         time_budget_s=args.time_budget, seed=args.seed, sampler=args.sampler, asha=args.asha,
         max_failures=args.max_failures, optuna_storage=storage)
-    out = Path(args.out).resolve()
+    out = (Path(args.out) if args.out is not None else default_out()).resolve()
     print(f"nats: searching space {space.name!r} ({settings.num_trials} trials, "
           f"{settings.max_concurrent} at a time) into {out}")
     for line in space.describe():

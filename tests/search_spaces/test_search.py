@@ -84,6 +84,10 @@ def test_search_writes_consistent_results(tmp_path: Path, local_ray, capsys) -> 
     got = _check_consistent(out)
     assert len(got["rows"]) == 3 and all(r["status"] == "done" for r in got["rows"])
     assert "Pareto front" in printed and "exported trial" in printed
+    # The chosen architecture's cost against the pure forms, and how to retrain it on its
+    # own task.
+    assert "attention cost at 8,192 tokens" in printed and "all-softmax" in printed
+    assert f"nats train --config {out / 'export' / 'training.json'}" in printed
     # The default pick is the front's best quality.
     best = min(got["front"]["trials"], key=lambda t: t["eval/ce"])
     assert f"exported trial {best['trial_id']}" in printed
@@ -108,6 +112,17 @@ def test_search_writes_consistent_results(tmp_path: Path, local_ray, capsys) -> 
     # A second search into the same folder is refused.
     assert main(["search", *TINY, "--out", str(out)]) == 2
     assert "already holds a search" in capsys.readouterr().err
+
+
+def test_the_default_folder_moves_on_when_taken(tmp_path: Path, monkeypatch) -> None:
+    from nats.search_spaces.cli import default_out
+
+    monkeypatch.chdir(tmp_path)
+    assert default_out() == Path("runs/search")
+    for taken in ("runs/search", "runs/search-2"):
+        (tmp_path / taken).mkdir(parents=True)
+        (tmp_path / taken / "search.json").write_text("{}")
+    assert default_out() == Path("runs/search-3")
 
 
 def test_a_trial_whose_worker_dies_resumes_from_its_checkpoint(tmp_path: Path, local_ray,
