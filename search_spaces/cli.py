@@ -9,7 +9,15 @@ from typing import Any
 
 from .builtin import BUILTIN_SPACES, DEFAULT_BASE, DEFAULT_SPACE, SEARCH_BASES, search_base
 from .objectives import COSTS, OBJECTIVES, QUALITY
-from .search import SAMPLERS, SETTINGS_FILE, FitOutcome, make_settings, resume_search, run_search
+from .search import (
+    SAMPLERS,
+    SETTINGS_FILE,
+    FitOutcome,
+    make_settings,
+    plain_ray_console,
+    resume_search,
+    run_search,
+)
 from .spaces import load_space
 
 DEFAULT_OUT = "runs/search"
@@ -171,6 +179,7 @@ def _report(out: Path, errors: dict[str, str], pick_choice: str | None,
 
 
 def search_command(args: argparse.Namespace) -> int:
+    plain_ray_console()
     if args.list_spaces:
         print(list_spaces())
         return 0

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import platform
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -223,6 +225,8 @@ def run_trial(params: dict[str, Any], *, settings: SearchSettings, trials_dir: s
 
     from nats.trainers import latest_checkpoint, train
 
+    # Tune logs every report's checkpoint at INFO: a line per report and trial.
+    logging.getLogger("ray.train").setLevel(logging.WARNING)
     trial_id = tune.get_context().get_trial_id()
     out_dir = Path(trials_dir) / trial_id
     config = trial_config(settings, params, out_dir)
@@ -377,6 +381,9 @@ def _tuner(settings: SearchSettings, out: Path) -> Any:
     # Keeping one Tune checkpoint a trial forces a state snapshot per report; at a report
     # every few seconds Tune warns about that on every trial. It is cheap here.
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
+    # Trials write their own TensorBoard events under DIR/trials; Tune's loggers would add
+    # a second copy in its staging folder and point the console there.
+    os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     searcher = OptunaSearch(DefineByRun(settings.search_space(), base),
                             metric=metrics if len(metrics) > 1 else metrics[0],
@@ -402,6 +409,16 @@ def _tuner(settings: SearchSettings, out: Path) -> Any:
             name=TUNE_NAME, storage_path=str(out),
             failure_config=tune.FailureConfig(max_failures=settings.max_failures),
             checkpoint_config=tune.CheckpointConfig(num_to_keep=1), verbose=1))
+
+
+def plain_ray_console() -> None:
+    """Ray's console as a log, not a terminal: no colour codes when the output is not a
+    terminal, and no merging of similar lines from different trials (two trials' metric
+    lines differ in their numbers, which Ray's de-duplication drops). Call it before Ray is
+    imported: Ray reads the de-duplication switch then."""
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if not sys.stdout.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
 
 def _ray_init(address: str | None) -> bool:

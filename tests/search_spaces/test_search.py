@@ -12,6 +12,7 @@ import os
 import pickle
 import shutil
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -87,6 +88,9 @@ def test_search_writes_consistent_results(tmp_path: Path, local_ray, capsys) -> 
     # The chosen architecture's cost against the pure forms, and how to retrain it on its
     # own task.
     assert "attention cost at 8,192 tokens" in printed and "all-softmax" in printed
+    # The one TensorBoard hint names the trials' folder (Tune's pointed into its staging).
+    assert [line for line in printed.splitlines() if "tensorboard --logdir" in line] == [
+        f"      TensorBoard of every trial: tensorboard --logdir {out / 'trials'}"]
     assert f"nats train --config {out / 'export' / 'training.json'}" in printed
     # The default pick is the front's best quality.
     best = min(got["front"]["trials"], key=lambda t: t["eval/ce"])
@@ -112,6 +116,18 @@ def test_search_writes_consistent_results(tmp_path: Path, local_ray, capsys) -> 
     # A second search into the same folder is refused.
     assert main(["search", *TINY, "--out", str(out)]) == 2
     assert "already holds a search" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_piped_search_prints_a_plain_log(tmp_path: Path) -> None:
+    """As a user's redirected run prints it (its own Ray, worker logs forwarded)."""
+    done = subprocess.run(["nats", "search", *TINY, "--num-trials", "2", "--out",
+                           str(tmp_path / "s")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    log = done.stdout + done.stderr
+    assert "nats: training" in log  # the trials' own lines reach the console ...
+    assert "\x1b[" not in log  # ... without colour codes
+    assert "Checkpoint successfully created" not in log
 
 
 def test_the_default_folder_moves_on_when_taken(tmp_path: Path, monkeypatch) -> None:
