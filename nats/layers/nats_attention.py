@@ -68,7 +68,8 @@ class NatsAttention(nn.Module):
         self.k_norm = RMSNorm(cfg.softmax_head_dim_k, cfg.norm_eps)
         self.linear = LinearOperator.from_config(cfg)
         self.gates = self.linear.gates(cfg.d_model)
-        self.scorer = ChunkScorer(cfg.d_model, h, norm=cfg.scorer_norm)
+        self.scorer = ChunkScorer(cfg.d_model, h, norm=cfg.scorer_norm,
+                                  detach=cfg.scorer_detach)
         if cfg.softmax_target is not None:
             self.budget = BudgetedScores(h, cfg.softmax_target)
         self.mix = nn.Linear(h * cfg.head_dim_k, 2 * h * r, bias=False)

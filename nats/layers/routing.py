@@ -88,6 +88,7 @@ class RunningMoments(nn.Module):
 class ChunkScorer(nn.Module):
     """Bias-free linear on a chunk's mean input: two logits per (chunk, routing head).
 
+    With ``detach`` the route gradient stops at the scorer (``NatsConfig.scorer_detach``).
     With ``norm`` the pooled vector is first centred and scaled per feature by running
     statistics over chunks (:class:`RunningMoments`). Chunk means of a layer's input share
     a large common part; without centring, every step of the scorer's weights along it
@@ -95,14 +96,17 @@ class ChunkScorer(nn.Module):
     under a budget, makes the threshold chase the drift.
     """
 
-    def __init__(self, d_model: int, n_heads: int, norm: bool = False, eps: float = 1e-5) -> None:
+    def __init__(self, d_model: int, n_heads: int, norm: bool = False, detach: bool = False,
+                 eps: float = 1e-5) -> None:
         super().__init__()
-        self.n_heads, self.eps = n_heads, eps
+        self.n_heads, self.detach, self.eps = n_heads, detach, eps
         self.proj = nn.Linear(d_model, 2 * n_heads, bias=False)
         self.moments = RunningMoments(d_model) if norm else None
 
     def forward(self, pooled: torch.Tensor) -> torch.Tensor:
         """``pooled`` ``[B, N, D]`` -> logits ``[B, N, H, 2]``."""
+        if self.detach:
+            pooled = pooled.detach()
         if self.moments is not None:
             pooled = self.moments.standardise(upcast(pooled), self.eps).to(pooled.dtype)
         return upcast(self.proj(pooled).view(*pooled.shape[:-1], self.n_heads, 2))

@@ -26,6 +26,7 @@ def nats_layer(**overrides):
     ({"budget_scope": "head"}, r"NatsConfig\.budget_scope .*one of \('layer', 'model'\)"),
     ({"output_gate": "sigmoid"}, r"NatsConfig\.output_gate .*one of \('silu', 'none'\)"),
     ({"scorer_norm": 1}, r"NatsConfig\.scorer_norm = 1 .*true or false"),
+    ({"scorer_detach": "yes"}, r"NatsConfig\.scorer_detach = 'yes' .*true or false"),
     ({"softmax_target": 1.0}, r"NatsConfig\.softmax_target = 1\.0 .*in \(0, 1\)"),
     ({"softmax_target": 0}, r"NatsConfig\.softmax_target = 0 .*in \(0, 1\)"),
     ({"softmax_target": "0.2"}, r"NatsConfig\.softmax_target = '0\.2' .*in \(0, 1\)"),
@@ -54,6 +55,27 @@ def test_route_gradient_reaches_the_unselected_option_only_when_asked(route_grad
         assert unchosen.view(2, 4, 2)[:, :3].abs().min() > 0
     else:
         assert torch.equal(unchosen, torch.zeros_like(unchosen))
+
+
+@pytest.mark.parametrize("detach", [True, False])
+def test_the_route_gradient_reaches_the_layer_input_only_without_detach(detach):
+    """Against the same layer with its own routes forced as constants: no route gradient
+    can flow then, so a detached scorer's input gradient must equal it exactly."""
+    layer = nats_layer(scorer_detach=detach, scorer_norm=False, softmax_target=None).train()
+    x = torch.randn(2, 64, 32, dtype=torch.float64, requires_grad=True)
+    y, routing = layer(x)
+    y.square().sum().backward()
+    through_scorer, scorer_grad = x.grad.clone(), layer.scorer.proj.weight.grad.clone()
+    assert scorer_grad.abs().sum() > 0  # the scorer learns either way
+    x.grad = None
+    layer.route_override = routing.routes.detach()
+    y_forced, _ = layer(x)
+    assert torch.equal(y_forced, y)
+    y_forced.square().sum().backward()
+    if detach:
+        assert torch.equal(x.grad, through_scorer)
+    else:
+        assert not torch.allclose(x.grad, through_scorer)
 
 
 def test_zero_scorer_init_starts_every_chunk_undecided():
