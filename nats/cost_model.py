@@ -180,8 +180,8 @@ def architecture_cost(config: NatsConfig, softmax_fractions: Sequence[float | No
                       ) -> ArchitectureCost:
     """Cost of ``config``'s mixers at ``context_len`` tokens (batch 1).
 
-    ``softmax_fractions[i]``: layer ``i``'s measured fraction of chunks routed to softmax
-    (mean over routing heads) for "nats" layers; ``None`` (or the implied 1.0 / 0.0) for
+    ``softmax_fractions[i]``: layer ``i``'s measured softmax fraction
+    (:mod:`nats.softmax_fraction`, mean over routing heads) for "nats" layers; ``None`` (or the implied 1.0 / 0.0) for
     "softmax" / "gdn" layers. KV entries take ``dtype_bytes``, the state
     ``state_dtype_bytes`` (float32 in the cache).
     """

@@ -1,9 +1,12 @@
-"""How much of each NAtS-L layer a model keeps in softmax attention, measured on data.
+"""How much of each NAtS-L layer a model keeps in softmax attention: the one definition of
+the softmax fraction.
 
-The measure is token-weighted: the fraction of tokens, over every sequence and chunk of
-the batches, that lie in chunks routed to softmax attention (their keys stay in the KV
-cache), per routing head and over all heads. A partial last chunk counts by its tokens.
-Counts are kept as integers, so "all softmax" and "all linear" are exact, not rounded.
+It is token-weighted: the fraction of tokens, over every sequence and chunk, that lie in
+chunks routed to softmax attention (their keys stay in the KV cache, so KV bytes and
+softmax FLOPs follow it), per routing head and over all heads. A partial last chunk
+counts by its tokens. :func:`softmax_fraction` gives it for one forward pass on the
+routes' device (the layer's ``attn_frac``); :func:`measure_softmax_fraction` over many
+batches, with integer counts so that "all softmax" and "all linear" are exact.
 """
 
 from __future__ import annotations
@@ -54,22 +57,37 @@ class LayerFraction:
         return MIXED
 
 
-def chunk_token_counts(seq_len: int, chunk_size: int) -> torch.Tensor:
+def chunk_token_counts(seq_len: int, chunk_size: int,
+                       device: torch.device | str | None = None) -> torch.Tensor:
     """Tokens in each chunk of a sequence: ``chunk_size`` each, the last one what is left."""
     n = -(-seq_len // chunk_size)
-    counts = torch.full((n,), chunk_size, dtype=torch.long)
+    counts = torch.full((n,), chunk_size, dtype=torch.long, device=device)
     counts[-1] = seq_len - (n - 1) * chunk_size
     return counts
+
+
+def softmax_fraction(routes: torch.Tensor, seq_len: int, chunk_size: int) -> torch.Tensor:
+    """Per routing head ``[H]``, the softmax fraction of ``routes`` ``[B, N, H, 2]`` (a
+    float tensor on the routes' device: no transfer to the host)."""
+    counts = chunk_token_counts(seq_len, chunk_size, routes.device)
+    _check_chunks(routes, counts, seq_len, chunk_size)
+    is_sm = routes[..., SOFTMAX].detach().float()
+    return (is_sm * counts[None, :, None]).sum((0, 1)) / (routes.shape[0] * seq_len)
 
 
 def softmax_token_counts(routes: torch.Tensor, seq_len: int, chunk_size: int) -> torch.Tensor:
     """Per routing head ``[H]``, the tokens of ``routes`` ``[B, N, H, 2]`` routed to softmax."""
     is_sm = (routes[..., SOFTMAX].detach() > 0.5).long().cpu()  # [B, N, H]
     counts = chunk_token_counts(seq_len, chunk_size)
-    if is_sm.shape[1] != counts.numel():
-        raise ValueError(f"routes cover {is_sm.shape[1]} chunks; {seq_len} tokens in chunks "
-                         f"of {chunk_size} make {counts.numel()}")
+    _check_chunks(routes, counts, seq_len, chunk_size)
     return (is_sm * counts[None, :, None]).sum((0, 1))
+
+
+def _check_chunks(routes: torch.Tensor, counts: torch.Tensor, seq_len: int,
+                  chunk_size: int) -> None:
+    if routes.shape[1] != counts.numel():
+        raise ValueError(f"routes cover {routes.shape[1]} chunks; {seq_len} tokens in chunks "
+                         f"of {chunk_size} make {counts.numel()}")
 
 
 @torch.no_grad()

@@ -21,8 +21,8 @@ QUALITY = {
     "bpb": ("eval/bpb", "min"),
 }
 """``--metric`` -> (reported key, mode). ``loss`` is the cross-entropy without the routing
-regulariser (``eval/loss`` adds lambda times the softmax fraction, which would make trials
-with different lambda incomparable); ``bpb`` exists for task ``text`` only."""
+regulariser (``eval/loss`` adds lambda times the scorer's mean softmax probability, which
+would make trials with different lambda incomparable); ``bpb`` exists for task ``text`` only."""
 
 COSTS = {
     "flops": ("cost/flops_per_token", "min"),

@@ -21,6 +21,7 @@ from nats.kernels import SOFTMAX, hybrid_softmax_attention
 from nats.kernels.decode import hybrid_attention_decode
 from nats.kernels.streams import concurrently
 
+from ..softmax_fraction import softmax_fraction
 from .linear_ops import LinearOperator, TokenGates
 from .norms import RMSNorm, rms_norm, upcast
 from .projections import GatedOutput, QKVProjection
@@ -32,7 +33,6 @@ from .routing import (
     chunk_mean_pool,
     forced_routes,
     sample_routes,
-    softmax_fraction,
 )
 
 
@@ -41,7 +41,8 @@ class LayerRouting:
     """What one forward of a NAtS-L layer decided.
 
     ``routes`` ``[B, N, H, 2]`` (one-hot, straight-through), ``probs`` the scorer's
-    probabilities, ``attn_frac`` ``[H]`` the softmax fraction per head, ``reg`` the cost
+    probabilities, ``attn_frac`` ``[H]`` the softmax fraction per head
+    (:func:`nats.softmax_fraction.softmax_fraction`: token-weighted), ``reg`` the cost
     regulariser ``lambda * mean(probs[..., softmax])`` and ``routable_frac`` the share of
     routable chunks sent to softmax (what a budget holds); both leave out each sequence's
     last chunk, whose route no query sees (NaN in ``routable_frac`` when a sequence is one
@@ -155,7 +156,7 @@ class NatsAttention(nn.Module):
         routable = slice(0, routes.shape[1] - 1)
         reg = probs[:, routable, :, SOFTMAX].mean() if routes.shape[1] > 1 else probs.new_zeros(())
         routing = LayerRouting(
-            routes=routes, probs=probs, attn_frac=softmax_fraction(routes),
+            routes=routes, probs=probs, attn_frac=softmax_fraction(routes, seq_len, c),
             reg=cfg.reg_lambda * reg,
             routable_frac=routes[:, routable, :, SOFTMAX].detach().float().mean())
         return self._merge(q, o_la, o_sm, x), routing, cache

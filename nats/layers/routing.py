@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nats.kernels.reference.chunks import SOFTMAX, num_chunks
+from nats.kernels.reference.chunks import num_chunks
 
 from .norms import upcast
 
@@ -226,8 +226,3 @@ def _slice_given_routes(routes: torch.Tensor, batch: int, chunks: torch.Tensor,
         raise ValueError(f"the route override covers {routes.shape[1]} chunks; the input "
                          f"needs {int(chunks[-1]) + 1}")
     return routes[:, chunks.to(routes.device)].expand(batch, -1, -1, -1).float()
-
-
-def softmax_fraction(routes: torch.Tensor) -> torch.Tensor:
-    """Fraction of chunks routed to softmax, per routing head ``[H]``."""
-    return routes[..., SOFTMAX].detach().float().mean((0, 1))

@@ -68,9 +68,15 @@ def test_free_routes_match_the_forward_and_no_batches_is_an_error() -> None:
     model = _model(("nats",))
     with torch.no_grad():
         model.nats_layers[0].scorer.proj.weight.normal_(0, 1.0)  # both routes occur
-    ids = torch.randint(0, 40, (4, 64))  # whole chunks: token and chunk means agree
-    got = measure_softmax_fraction(model, [ids])[0]
-    frac = model.eval()(ids).attn_frac[0]
-    assert list(got.per_head) == pytest.approx(frac.tolist())
+    for length in (64, 41):  # whole chunks, and a last chunk of 9 tokens
+        ids = torch.randint(0, 40, (4, length))
+        got = measure_softmax_fraction(model, [ids])[0]
+        out = model.eval()(ids)
+        frac = out.attn_frac[0]
+        assert list(got.per_head) == pytest.approx(frac.tolist())
+        # Independently: spread each chunk's route over its tokens, cut at the length.
+        c = model.config.chunk_size
+        per_token = out.routes[0][..., 0].double().repeat_interleave(c, 1)[:, :length]
+        assert frac.tolist() == pytest.approx(per_token.mean((0, 1)).tolist())
     with pytest.raises(ValueError, match="at least one batch"):
         measure_softmax_fraction(model, [])
