@@ -181,9 +181,9 @@ def architecture_cost(config: NatsConfig, softmax_fractions: Sequence[float | No
     """Cost of ``config``'s mixers at ``context_len`` tokens (batch 1).
 
     ``softmax_fractions[i]``: layer ``i``'s measured softmax fraction
-    (:mod:`nats.softmax_fraction`, mean over routing heads) for "nats" layers; ``None`` (or the implied 1.0 / 0.0) for
-    "softmax" / "gdn" layers. KV entries take ``dtype_bytes``, the state
-    ``state_dtype_bytes`` (float32 in the cache).
+    (:mod:`nats.softmax_fraction`, mean over routing heads) for "nats" layers; ``None``
+    (or the implied 1.0 / 0.0) for "softmax" / "gdn" layers. KV entries take
+    ``dtype_bytes``, the state ``state_dtype_bytes`` (float32 in the cache).
     """
     fractions = _check(config, softmax_fractions, context_len, dtype_bytes, state_dtype_bytes)
     return ArchitectureCost(context_len, tuple(

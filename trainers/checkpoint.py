@@ -67,12 +67,9 @@ def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
 
 def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, config: dict[str, Any],
-                    keep: int, data_position: int | None = None) -> Path:
-    """Save the state after ``step`` completed steps; keep only the ``keep`` newest.
-
-    ``data_position`` (training sequences consumed) is recorded for readers; the loop
-    recomputes it from the step, because the batch of a step depends only on the step.
-    """
+                    keep: int) -> Path:
+    """Save the state after ``step`` completed steps; keep only the ``keep`` newest. No
+    data position is stored: the batch of a step depends only on the step."""
     tensors = {f"model/{k}": _cpu_copy(v) for k, v in model.state_dict().items()}
     opt = optimizer.state_dict()
     scalars: dict[str, dict[str, Any]] = {}
@@ -86,7 +83,7 @@ def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module,
     if torch.cuda.is_available():
         for i, state in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"rng/cuda/{i}"] = state
-    meta = {"format": FORMAT, "step": step, "config": config, "data_position": data_position,
+    meta = {"format": FORMAT, "step": step, "config": config,
             "optimizer": {"param_groups": opt["param_groups"], "scalars": scalars},
             "digest": tensor_digest(tensors)}
     path = checkpoint_dir(out_dir) / f"step_{step:08d}.safetensors"

@@ -311,8 +311,7 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
         if not world.is_main:
             return None
         return save_checkpoint(out_dir, step, model, optimizer, config_dict,
-                               config.keep_checkpoints,
-                               data_position=step * config.batch_size)
+                               config.keep_checkpoints)
 
     losses: list[float] = []
     eval_metrics: dict[str, float] = {}

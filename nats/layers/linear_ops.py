@@ -92,8 +92,6 @@ class LinearGates(nn.Module):
             self.A_log = nn.Parameter(torch.log(torch.linspace(1.0, 16.0, n_heads)))
             dt = torch.exp(torch.linspace(math.log(1e-3), math.log(1e-1), n_heads))
             self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
-            self.A_log._no_weight_decay = True
-            self.dt_bias._no_weight_decay = True
         if write:
             self.b_proj = nn.Linear(d_model, n_heads, bias=False)
 
