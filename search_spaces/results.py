@@ -53,6 +53,8 @@ def _row(record: dict[str, Any], error: str | None) -> dict[str, Any]:
     for key, value in sorted(record.get("params", {}).items()):
         row[f"param/{key}"] = value
     row.update(record.get("metrics", {}))
+    if "duplicate_of" in record:  # trained once, as that trial: not a point of its own
+        row["duplicate_of"] = record["duplicate_of"]
     if error is not None:
         row["error"] = error
     return row

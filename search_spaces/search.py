@@ -21,7 +21,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +70,6 @@ class SearchSettings:
     search folder (``run_search`` stores a file inside the folder that way, so that a copy
     of the folder keeps its own study)."""
     study_name: str = "nats-search"
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         objective_keys(self.objective, self.quality, self.cost)
@@ -117,6 +116,8 @@ class SearchSettings:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SearchSettings:
         known = {f.name for f in dataclasses.fields(cls)}
+        if data.get("extra") == {}:  # an unused field that earlier versions wrote empty
+            data = {k: v for k, v in data.items() if k != "extra"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"search settings: unknown key(s) {unknown}")
@@ -213,13 +214,39 @@ def _restore_tune_checkpoint(out_dir: Path) -> None:
             shutil.copy2(newest, checkpoint_dir(out_dir) / newest.name)
 
 
+def _twin(trials_dir: Path, trial_id: str, params: dict[str, Any]) -> dict[str, Any] | None:
+    """The record of an earlier trial with the same parameters, once it is done (waiting
+    while it trains in a live process of this machine); ``None`` if there is none to reuse.
+    The sampler proposes a small categorical space's configurations again, and a trial is
+    deterministic given them."""
+    while True:
+        twins = [r for path in sorted(trials_dir.glob(f"*/{TRIAL_FILE}"))
+                 if (r := _read_trial(path.parent)).get("params") == params
+                 and r.get("trial_id") != trial_id and r.get("status") != "duplicate"]
+        if any(r["status"] == "done" for r in twins):
+            return next(r for r in twins if r["status"] == "done")
+        if not any(r["status"] == "running" and r.get("node") == platform.node()
+                   and _alive(int(r.get("pid", 0))) for r in twins):
+            return None
+        time.sleep(2.0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return False
+    return pid > 0
+
+
 def run_trial(params: dict[str, Any], *, settings: SearchSettings, trials_dir: str) -> None:
     """Ray Tune function trainable: train the trial's config, report after every
     evaluation (quality, cost, softmax fractions, and the newest trainer checkpoint).
 
     The last evaluation is reported after the trainer returns, with the model saved: a
     scheduler that stops the trial at that report (ASHA at ``max_t``, or a rung at the
-    last step) then stops a finished trial."""
+    last step) then stops a finished trial. A trial whose parameters an earlier trial
+    had reports that trial's result instead of training again (status ``duplicate``)."""
     import torch
     from ray import tune
 
@@ -244,10 +271,21 @@ def run_trial(params: dict[str, Any], *, settings: SearchSettings, trials_dir: s
                               "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
                               "started_at": time.time(),
                               "resumed_from": _checkpoint_step(start)}
+    twin = _twin(Path(trials_dir), trial_id, params)
+    if twin is not None:
+        record.update(status="duplicate", duplicate_of=twin["trial_id"], step=twin["step"],
+                      metrics=twin["metrics"], ended_at=time.time())
+        _write_trial(out_dir, record)
+        tune.report({**twin["metrics"], "step": twin["step"]})
+        return
     _write_trial(out_dir, record)
     reported = [latest_checkpoint(out_dir)]
 
+    # Tune's live table shows the first four metrics of a report: the objectives first.
+    first = [settings.quality_key[0], settings.cost_key[0], "eval/acc", "eval/attn_frac"]
+
     def report(values: dict[str, float]) -> None:
+        values = {**{k: values[k] for k in first if k in values}, **values}
         newest = latest_checkpoint(out_dir)
         if newest is None or newest == reported[0]:
             tune.report(values)
@@ -384,6 +422,8 @@ def _tuner(settings: SearchSettings, out: Path) -> Any:
     # Trials write their own TensorBoard events under DIR/trials; Tune's loggers would add
     # a second copy in its staging folder and point the console there.
     os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
+    # ... so its result grid finds no result files of theirs, and would warn about each trial.
+    logging.getLogger("ray.tune.analysis.experiment_analysis").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     searcher = OptunaSearch(DefineByRun(settings.search_space(), base),
                             metric=metrics if len(metrics) > 1 else metrics[0],

@@ -83,7 +83,9 @@ def test_search_writes_consistent_results(tmp_path: Path, local_ray, capsys) -> 
     assert signal.getsignal(signal.SIGINT) is sigint  # Tune's handler does not stay behind
     printed = capsys.readouterr().out
     got = _check_consistent(out)
-    assert len(got["rows"]) == 3 and all(r["status"] == "done" for r in got["rows"])
+    # A configuration proposed again reports its twin's result ("duplicate").
+    assert len(got["rows"]) == 3
+    assert all(r["status"] in ("done", "duplicate") for r in got["rows"])
     assert "Pareto front" in printed and "exported trial" in printed
     # The chosen architecture's cost against the pure forms, and how to retrain it on its
     # own task.
@@ -105,7 +107,8 @@ def test_search_writes_consistent_results(tmp_path: Path, local_ray, capsys) -> 
     assert all(len(t.values) == 2 for t in loaded.trials)
     # Every trial logged to TensorBoard under the one logdir.
     for row in got["rows"]:
-        assert list((out / "trials" / row["trial_id"]).glob("events.out.tfevents.*"))
+        if row["status"] == "done":
+            assert list((out / "trials" / row["trial_id"]).glob("events.out.tfevents.*"))
     # show reprints, and --pick exports another front entry.
     assert main(["search", "show", str(out)]) == 0
     assert "Pareto front" in capsys.readouterr().out
@@ -128,6 +131,11 @@ def test_a_piped_search_prints_a_plain_log(tmp_path: Path) -> None:
     assert "nats: training" in log  # the trials' own lines reach the console ...
     assert "\x1b[" not in log  # ... without colour codes
     assert "Checkpoint successfully created" not in log
+    assert "Failed to fetch metrics" not in log
+    # Tune's live table leads with the objectives and accuracy (and the softmax fraction,
+    # when the first trial to report has NAtS-L layers: Tune picks the columns once).
+    header = [line for line in log.splitlines() if "Trial name" in line][-1]
+    assert all(k in header for k in ("eval/ce", "cost/flops_per_token", "eval/acc")), header
 
 
 def test_the_default_folder_moves_on_when_taken(tmp_path: Path, monkeypatch) -> None:
@@ -191,10 +199,15 @@ def _interrupt_at_the_second_trial(out: Path, options: list[str],
             time.sleep(0.1)
 
     watcher = threading.Thread(target=interrupt_after_first_trial, daemon=True)
+    # A continuous dimension: no trial repeats another's configuration (which would report
+    # at once, without training, and could end the search before the interrupt).
+    space = out.parent / f"{out.name}-space.yaml"
+    space.write_text("params:\n  layers: {choices: [nats, gdn]}\n"
+                     "  lr: {low: 0.001, high: 0.01, log: true}\n")
     watcher.start()
     try:
         status = main(["search", "--steps", "40", "--num-trials", "3", "--max-concurrent", "1",
-                       *options, "--out", str(out)])
+                       "--space", str(space), *options, "--out", str(out)])
     finally:
         stop.set()
         watcher.join()
@@ -250,6 +263,37 @@ def test_a_copied_or_moved_search_resumes_in_the_copy_alone(tmp_path: Path, loca
     # Tune's trial folders: run_trial_<trial id>_<number>_<parameters>_<time>
     tune_trials = {p.name.split("_")[2] for p in (copy / "tune").glob("run_trial_*")}
     assert tune_trials == {r["trial_id"] for r in rows}
+
+
+def test_a_configuration_proposed_again_is_not_trained_again(tmp_path: Path, local_ray,
+                                                             capsys) -> None:
+    space = tmp_path / "space.yaml"
+    space.write_text("params:\n  layers: {choices: [gdn, softmax]}\n  lr: [0.003]\n")
+    out = tmp_path / "search"
+    assert main(["search", *TINY, "--space", str(space), "--num-trials", "6",
+                 "--max-concurrent", "1", "--seed", "0", "--out", str(out)]) == 0
+    rows = _rows(out)
+    done = {r["layer_types"]: r for r in rows if r["status"] == "done"}
+    duplicates = [r for r in rows if r["status"] == "duplicate"]
+    # Four configurations exist: six trials must repeat at least two, trained once each.
+    assert len(done) + len(duplicates) == 6 and len(duplicates) >= 2
+    by_id = {r["trial_id"]: r for r in rows}
+    for dup in duplicates:
+        twin = by_id[dup["duplicate_of"]]
+        assert twin["status"] == "done" and dup["eval/ce"] == twin["eval/ce"]
+        assert not (out / "trials" / dup["trial_id"] / "model").exists()
+    front = json.loads((out / "pareto.json").read_text())["trials"]
+    assert all(t["status"] == "done" for t in front)
+
+
+def test_settings_of_earlier_versions_load() -> None:
+    from nats.search_spaces import load_space, search_base
+
+    settings = search.make_settings(load_space("hybrid"), search_base("mqar-search"))
+    data = settings.to_dict()
+    assert search.SearchSettings.from_dict({**data, "extra": {}}) == settings
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['extra'\]"):
+        search.SearchSettings.from_dict({**data, "extra": {"a": 1}})
 
 
 def test_a_study_journal_inside_the_folder_follows_a_copy(tmp_path: Path) -> None:
