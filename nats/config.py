@@ -35,6 +35,9 @@ BUDGET_SCOPES = ("layer", "model")
 LAYER_LISTS = {"softmax_layers": "softmax", "linear_layers": "gdn", "hybrid_layers": "nats"}
 """Keys of the layer-index lists that ``to_dict`` derives from ``layer_types``, so that a
 reader that knows no NAtS-L finds the softmax layers as a plain list of indices."""
+HF_KEYS: dict[str, Any] = {"model_type": "nats", "architectures": ["NatsHFForCausalLM"]}
+"""What ``NatsForCausalLM.save_pretrained`` adds to ``config.json`` so that ``transformers``'
+Auto classes find the model (``nats.hf``); ``from_dict`` checks the type and drops both."""
 
 
 class ConfigError(ValueError):
@@ -186,10 +189,15 @@ class NatsConfig:
         """Build from a JSON-like dict; unknown keys are an error, not silently dropped.
 
         The derived layer lists may be present (``to_dict`` writes them) or absent (older
-        files), but where present they must agree with ``layer_types``. Recipe fields
+        files), but where present they must agree with ``layer_types``; so may the keys
+        ``transformers`` reads (``HF_KEYS``), of model type "nats". Recipe fields
         missing from older files take the official layer's values, which those models had.
         """
-        fields = {k: v for k, v in d.items() if k not in LAYER_LISTS}
+        model_type = d.get("model_type", HF_KEYS["model_type"])
+        if model_type != HF_KEYS["model_type"]:
+            _fail("model_type", model_type, f"{HF_KEYS['model_type']!r} (this config.json "
+                  "describes another kind of model)")
+        fields = {k: v for k, v in d.items() if k not in LAYER_LISTS and k not in HF_KEYS}
         reject_unknown_fields(cls, fields)
         # A complete dump (``to_dict`` writes every field) without the recipe fields was
         # written before they existed: its model was trained, and shaped (the output gate

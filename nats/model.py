@@ -16,7 +16,7 @@ from torch import nn
 
 from .atomic_write import atomic_write_bytes
 from .cache import HybridCache
-from .config import NatsConfig
+from .config import HF_KEYS, NatsConfig
 from .generation import generate
 from .layers.linear_layer import LinearLayer
 from .layers.nats_attention import LayerRouting, NatsAttention
@@ -205,10 +205,12 @@ class NatsForCausalLM(nn.Module):
     # -- persistence ----------------------------------------------------------------------
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
-        """Write ``config.json`` and ``model.safetensors``, each atomically."""
+        """Write ``config.json`` and ``model.safetensors``, each atomically. ``config.json``
+        also names the model type for ``transformers`` (``HF_KEYS``), so that
+        ``AutoModelForCausalLM`` loads the folder once :func:`nats.hf.register` has run."""
         directory = Path(directory)
-        atomic_write_bytes(directory / CONFIG_FILE,
-                           (json.dumps(self.config.to_dict(), indent=2) + "\n").encode())
+        config = {**self.config.to_dict(), **HF_KEYS}
+        atomic_write_bytes(directory / CONFIG_FILE, (json.dumps(config, indent=2) + "\n").encode())
         # Tied weights share storage, which safetensors refuses: store the embedding once.
         state = {k: v.detach().contiguous() for k, v in self.state_dict().items()
                  if not (self.config.tie_embeddings and k == "lm_head.weight")}

@@ -43,6 +43,16 @@ def test_dict_round_trip_and_unknown_keys():
         NatsConfig.from_dict({**cfg.to_dict(), "n_layer": 3})
 
 
+def test_the_keys_transformers_reads_are_checked_and_dropped():
+    """``save_pretrained`` writes ``model_type`` and ``architectures`` for transformers'
+    Auto classes; files without them (older ones) load too."""
+    cfg = NatsConfig(layer_types=["gdn", "nats"])
+    saved = {**cfg.to_dict(), "model_type": "nats", "architectures": ["NatsHFForCausalLM"]}
+    assert NatsConfig.from_dict(saved) == NatsConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ConfigError, match=r"NatsConfig\.model_type = 'llama' .*'nats'"):
+        NatsConfig.from_dict({**saved, "model_type": "llama"})
+
+
 def test_linear_op_round_trips_and_old_configs_load_as_gated_deltanet():
     for op in ("deltanet", "gated_linear_attention", "linear_attention"):
         cfg = NatsConfig(linear_op=op)

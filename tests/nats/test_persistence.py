@@ -16,7 +16,8 @@ def test_round_trip_restores_config_weights_and_outputs(tmp_path, tie_embeddings
     model = tiny_model(("nats", "gdn", "softmax"), tie_embeddings=tie_embeddings, rope=True)
     model.save_pretrained(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
-    assert json.loads((tmp_path / "config.json").read_text()) == model.config.to_dict()
+    assert json.loads((tmp_path / "config.json").read_text()) == \
+        {**model.config.to_dict(), "model_type": "nats", "architectures": ["NatsHFForCausalLM"]}
     stored = load_file(str(tmp_path / "model.safetensors"))
     assert ("lm_head.weight" in stored) == (not tie_embeddings)
 
