@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from nats import NatsForCausalLM
-from nats.trainers import train
+from nats.trainers import latest_checkpoint, train
 
 from .conftest import MicroConfig
 
@@ -54,3 +57,44 @@ def test_two_processes_follow_the_single_process_run(micro: MicroConfig,
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
     # Only rank 0 wrote: one events file, one checkpoint folder.
     assert len(list((tmp_path / "ddp").glob("events.out.tfevents.*"))) == 1
+
+
+STOPPING_WORKER = """
+import json, os, sys
+from pathlib import Path
+from nats.trainers import TrainConfig, train
+config = TrainConfig.from_dict(json.loads(open(sys.argv[1]).read()))
+rank = os.environ["RANK"]
+Path(sys.argv[2], f"pid{rank}").write_text(str(os.getpid()))
+result = train(config)
+Path(sys.argv[2], f"result{rank}.json").write_text(
+    json.dumps({"interrupted": result.interrupted, "step": result.step}))
+"""
+
+
+def test_a_sigterm_to_one_rank_stops_every_rank_at_one_checkpoint(micro: MicroConfig,
+                                                                  tmp_path: Path) -> None:
+    """A scheduler's SIGTERM reaches ranks at different moments (here: rank 1 only); a rank
+    that stopped alone would leave the others waiting in the next all-reduce."""
+    config = micro(steps=100_000, checkpoint_interval=5, eval_interval=100_000,
+                   log_interval=100_000, out_dir=str(tmp_path / "ddp"))
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    (tmp_path / "worker.py").write_text(STOPPING_WORKER)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "2", str(tmp_path / "worker.py"), str(tmp_path / "config.json"), str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while latest_checkpoint(tmp_path / "ddp") is None and proc.poll() is None:
+            time.sleep(0.2)  # training is under way once the first checkpoint is written
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        os.kill(int((tmp_path / "pid1").read_text()), signal.SIGTERM)
+        _, err = proc.communicate()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    results = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["interrupted"] for r in results)
+    assert results[0]["step"] == results[1]["step"] < 100_000
+    assert latest_checkpoint(tmp_path / "ddp").name == f"step_{results[0]['step']:08d}.safetensors"
