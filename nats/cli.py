@@ -116,6 +116,22 @@ def _bench_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_model(args: argparse.Namespace) -> int:
+    from nats.evaluation.model_bench import ModelBenchConfig, ratio_table, run_model_benchmark
+
+    config = ModelBenchConfig(
+        d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
+        head_dim=args.head_dim, vocab_size=args.vocab_size, chunk_size=args.chunk_size,
+        fractions=tuple(args.fractions), layer_hybrid_shares=tuple(args.layer_hybrid_shares),
+        train_lens=tuple(args.train_lens), train_tokens=args.train_tokens,
+        prefill_lens=tuple(args.prefill_lens), decode_contexts=tuple(args.decode_contexts),
+        decode_steps=args.decode_steps, repeats=args.repeats, device=args.device)
+    report = run_model_benchmark(config, args.out)
+    print(ratio_table(report))
+    print(f"nats: wrote {args.out}")
+    return 0
+
+
 def _bench_attention(args: argparse.Namespace) -> int:
     from nats.evaluation.attention_bench import default_config, run_attention_benchmark
 
@@ -335,7 +351,29 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--out", type=Path, default=Path("bench/decode.json"))
     decode.set_defaults(func=_bench_decode)
     _add_bench_attention(bench_sub)
+    _add_bench_model(bench_sub)
     return parser
+
+
+def _add_bench_model(bench_sub: argparse._SubParsersAction) -> None:
+    from nats.evaluation.model_bench import ModelBenchConfig
+
+    d = ModelBenchConfig()
+    model = bench_sub.add_parser(
+        "model", help="a 12-layer model: training tokens/s, memory, prefill and decode of "
+                      "the transformer, all-linear, NAtS-L at forced fractions, layer hybrids")
+    for name in ("d_model", "n_layers", "n_heads", "head_dim", "vocab_size", "chunk_size",
+                 "train_tokens", "decode_steps", "repeats"):
+        model.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
+    for name in ("fractions", "layer_hybrid_shares"):
+        model.add_argument(f"--{name.replace('_', '-')}", type=float, nargs="+",
+                           default=list(getattr(d, name)))
+    for name in ("train_lens", "prefill_lens", "decode_contexts"):
+        model.add_argument(f"--{name.replace('_', '-')}", type=int, nargs="+",
+                           default=list(getattr(d, name)))
+    model.add_argument("--device", default=d.device, help="cuda (the figures) or cpu (a check)")
+    model.add_argument("--out", type=Path, default=Path("bench/model.json"))
+    model.set_defaults(func=_bench_model)
 
 
 def _add_bench_attention(bench_sub: argparse._SubParsersAction) -> None:

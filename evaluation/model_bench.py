@@ -1,0 +1,267 @@
+"""`nats bench model`: what a user feels of the hybrid, a whole model at a time.
+
+A GPT-2-small-sized model (12 layers, width 768, the same MLP and embeddings throughout)
+in several forms, measured in one run so that their ratios compare:
+
+* ``transformer``: every layer softmax attention;
+* ``all-linear``: every layer the linear operator (Gated DeltaNet by default);
+* ``nats@f``: every layer NAtS-L with its routes forced to a softmax fraction ``f``
+  (evenly spread chunks, :func:`nats.layers.routing.fraction_is_softmax`), the cost of a
+  trained hybrid at that share without training one;
+* ``layer-hybrid@s``: softmax every ``1/s``-th layer, the others linear: the layer-level
+  hybrid at the same softmax share ``s``.
+
+For each: training tokens/s (forward, backward and an AdamW step, bf16 autocast on a GPU)
+and peak memory at each training length, prefill milliseconds (batch 1, no gradients) at
+each prefill length, and decode milliseconds per token against a prefilled cache at each
+context (replayed from a CUDA graph on a GPU, as ``generate`` decodes). A measurement that
+runs out of memory is recorded as such and the longer lengths of that form are skipped.
+On a CPU the same command runs (the reference operators) to check itself, with small
+shapes; its times say nothing about the kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nats.atomic_write import atomic_write_bytes
+from nats.config import NatsConfig
+from nats.cuda_graph import GraphedDecoder
+from nats.latency import median_ms
+from nats.model import NatsForCausalLM
+
+
+@dataclass(frozen=True)
+class ModelBenchConfig:
+    """What to build and what to time; validated on construction (one-line errors)."""
+
+    d_model: int = 768
+    n_layers: int = 12
+    n_heads: int = 6
+    """Routing heads (= linear heads of ``head_dim``); softmax heads: ``2 * n_heads`` of
+    ``head_dim / 2``."""
+    head_dim: int = 128
+    vocab_size: int = 32_000
+    chunk_size: int = 64
+    fractions: tuple[float, ...] = (0.0, 0.125, 0.25, 0.5, 1.0)
+    layer_hybrid_shares: tuple[float, ...] = (0.25,)
+    train_lens: tuple[int, ...] = (4096, 16_384)
+    train_tokens: int = 65_536
+    """Tokens per training step: the batch is ``train_tokens // length`` sequences."""
+    prefill_lens: tuple[int, ...] = (4096, 32_768, 131_072)
+    decode_contexts: tuple[int, ...] = (8192, 32_768, 131_072)
+    decode_steps: int = 128
+    repeats: int = 5
+    device: str = "cuda"
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "n_layers", "n_heads", "head_dim", "vocab_size", "chunk_size",
+                     "train_tokens", "decode_steps", "repeats"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, "
+                                 f"got {value!r}")
+        for name in ("train_lens", "prefill_lens", "decode_contexts"):
+            if any(isinstance(v, bool) or not isinstance(v, int) or v < 1
+                   for v in getattr(self, name)):
+                raise ValueError(f"--{name.replace('_', '-')} must be integers >= 1")
+        if any(not 0 <= f <= 1 for f in self.fractions):
+            raise ValueError(f"--fractions must lie in [0, 1], got {list(self.fractions)}")
+        if any(not 0 < s <= 1 for s in self.layer_hybrid_shares):
+            raise ValueError("--layer-hybrid-shares must lie in (0, 1]")
+        if self.n_heads * self.head_dim != self.d_model or self.head_dim % 2:
+            raise ValueError(f"n_heads x head_dim must be d_model ({self.n_heads} x "
+                             f"{self.head_dim} != {self.d_model}) with an even head_dim")
+        if min(self.train_lens) > self.train_tokens:
+            raise ValueError(f"--train-tokens {self.train_tokens} holds no sequence of "
+                             f"{min(self.train_lens)} tokens")
+
+    def model_config(self, layer_types: tuple[str, ...]) -> NatsConfig:
+        return NatsConfig(vocab_size=self.vocab_size, d_model=self.d_model,
+                          n_layers=self.n_layers, n_heads=self.n_heads,
+                          softmax_heads_per_head=2, head_dim_k=self.head_dim,
+                          head_dim_v=self.head_dim, chunk_size=self.chunk_size,
+                          layer_types=layer_types)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One form of the model: its layer types and the forced softmax fraction of its
+    NAtS-L layers (``None``: none to force)."""
+
+    name: str
+    layer_types: tuple[str, ...]
+    fraction: float | None
+    softmax_share: float
+    """Share of the attention (layers x tokens) that is softmax."""
+
+
+def variants(config: ModelBenchConfig) -> list[Variant]:
+    n = config.n_layers
+    out = [Variant("transformer", ("softmax",) * n, None, 1.0),
+           Variant("all-linear", ("gdn",) * n, None, 0.0)]
+    out += [Variant(f"nats@{f:g}", ("nats",) * n, f, f) for f in config.fractions]
+    for share in config.layer_hybrid_shares:
+        every = max(1, round(1 / share))
+        types = tuple("softmax" if (i + 1) % every == 0 else "gdn" for i in range(n))
+        out.append(Variant(f"layer-hybrid@{share:g}", types, None,
+                           types.count("softmax") / n))
+    return out
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
+    def timed(fn: Callable[[], object], repeats: int) -> float:
+        return median_ms(fn, device, warmup=1, repeats=repeats)
+    return timed
+
+
+def train_step_row(model: NatsForCausalLM, config: ModelBenchConfig, length: int,
+                   device: torch.device) -> dict[str, Any]:
+    """Tokens/s of a training step (fwd, bwd, AdamW) at ``length`` and its peak memory."""
+    batch = config.train_tokens // length
+    ids = torch.randint(0, config.vocab_size, (batch, length), device=device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" \
+        else torch.autocast("cpu", enabled=False)
+    model.train()
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with autocast:
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    ms = _timer(device)(step, config.repeats)
+    row = {"tokens_per_s": batch * length / (ms / 1e3), "ms": ms, "batch": batch}
+    if device.type == "cuda":
+        row["peak_bytes"] = torch.cuda.max_memory_allocated(device)
+    return row
+
+
+def prefill_row(model: NatsForCausalLM, config: ModelBenchConfig, length: int,
+                device: torch.device) -> dict[str, Any]:
+    ids = torch.randint(0, config.vocab_size, (1, length), device=device)
+    model.eval()
+    autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" \
+        else torch.autocast("cpu", enabled=False)
+    with torch.no_grad(), autocast:
+        row: dict[str, Any] = {"ms": _timer(device)(lambda: model.prefill(ids), config.repeats)}
+        fractions = [f.mean().item() for f in model(ids).attn_frac if f is not None]
+    if fractions:  # what the forced routes made of this length (token-weighted)
+        row["softmax_fraction"] = sum(fractions) / len(fractions)
+    return row
+
+
+def decode_row(model: NatsForCausalLM, config: ModelBenchConfig, context: int,
+               device: torch.device) -> dict[str, Any]:
+    """Mean ms per token over ``decode_steps`` steps after ``context`` prefilled tokens
+    (crossing chunk ends), and the cache's KV bytes."""
+    model.eval()
+    with torch.no_grad():
+        ids = torch.randint(0, config.vocab_size, (1, context), device=device)
+        _, cache = model.prefill(ids)
+        token = ids[:, -1]
+        if device.type == "cuda":
+            step: Callable[[torch.Tensor], torch.Tensor] = GraphedDecoder(model, cache)
+        else:
+            def step(t: torch.Tensor) -> torch.Tensor:
+                return model.decode_step(t, cache)
+        step(token)
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        for _ in range(config.decode_steps):
+            step(token)
+        sync()
+        ms = (time.perf_counter() - start) * 1e3 / config.decode_steps
+    return {"ms_per_token": ms, "kv_bytes": cache.kv_bytes()}
+
+
+MEASURES = (("train", "train_lens", train_step_row), ("prefill", "prefill_lens", prefill_row),
+            ("decode", "decode_contexts", decode_row))
+
+
+def run_model_benchmark(config: ModelBenchConfig, out_json: Path | None,
+                        log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every variant, every measurement; the JSON is rewritten after each row, so a run
+    cut short keeps what it measured."""
+    device = torch.device(config.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("nats bench model --device cuda needs a CUDA GPU (--device cpu "
+                         "checks the command with small shapes)")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "config": dataclasses.asdict(config), "rows": []}
+    for variant in variants(config):
+        torch.manual_seed(0)
+        model = NatsForCausalLM(config.model_config(variant.layer_types)).to(device)
+        model.set_route_override(variant.fraction)
+        params = sum(p.numel() for p in model.parameters())
+        for measure, lengths_field, fn in MEASURES:
+            for length in getattr(config, lengths_field):
+                row = {"variant": variant.name, "softmax_share": variant.softmax_share,
+                       "measure": measure, "length": length, "parameters": params}
+                try:
+                    # Training runs in float32 weights under autocast; inference in bf16.
+                    target = model.float() if measure == "train" else model.to(dtype)
+                    row.update(fn(target, config, length, device))
+                except torch.cuda.OutOfMemoryError:  # a finding at this length
+                    row["oom"] = True
+                report["rows"].append(row)
+                log(_line(row))
+                if out_json is not None:
+                    atomic_write_bytes(out_json, (json.dumps(report, indent=2) + "\n").encode())
+                if row.get("oom"):
+                    torch.cuda.empty_cache()
+                    break  # longer lengths of this measure would not fit either
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return report
+
+
+def _line(row: dict[str, Any]) -> str:
+    head = f"{row['variant']:>18} {row['measure']:>7} {row['length']:>7}:"
+    if row.get("oom"):
+        return f"{head} out of memory"
+    if row["measure"] == "train":
+        peak = f", peak {row['peak_bytes'] / 2**30:.1f} GiB" if "peak_bytes" in row else ""
+        return f"{head} {row['tokens_per_s']:12,.0f} tokens/s{peak}"
+    if row["measure"] == "prefill":
+        return f"{head} {row['ms']:10.2f} ms"
+    return f"{head} {row['ms_per_token']:8.3f} ms/token, KV {row['kv_bytes'] / 2**20:.1f} MiB"
+
+
+def ratio_table(report: dict[str, Any]) -> str:
+    """Markdown: per measure and length, each variant's figure and its ratio to the
+    transformer's (tokens/s: higher is better; prefill and decode ms: lower is better)."""
+    value = {"train": "tokens_per_s", "prefill": "ms", "decode": "ms_per_token"}
+    rows = [r for r in report["rows"] if not r.get("oom")]
+    got = {(r["variant"], r["measure"], r["length"]): r[value[r["measure"]]] for r in rows}
+    order = [m for m, _, _ in MEASURES]
+    columns = sorted({(r["measure"], r["length"]) for r in report["rows"]},
+                     key=lambda k: (order.index(k[0]), k[1]))
+    units = {"train": "tokens/s", "prefill": "ms", "decode": "ms/token"}
+    lines = ["| variant | " + " | ".join(f"{m} {n:,} ({units[m]})" for m, n in columns)
+             + " |", "|---" * (len(columns) + 1) + "|"]
+    for name in dict.fromkeys(r["variant"] for r in report["rows"]):
+        cells = []
+        for measure, length in columns:
+            v = got.get((name, measure, length))
+            base = got.get(("transformer", measure, length))
+            cells.append("oom" if v is None else f"{v:.4g}" if not base
+                         else f"{v:.4g} ({v / base:.2f}x)")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,58 @@
+"""`nats bench model` on the CPU with small shapes: every form is built as named, every
+measurement is recorded, and what the forms hold follows from their layers and routes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from nats.cli import main
+from nats.evaluation.model_bench import ModelBenchConfig, ratio_table, run_model_benchmark, variants
+
+SMALL = dict(d_model=32, n_layers=4, n_heads=2, head_dim=16, vocab_size=64, chunk_size=16,
+             fractions=(0.0, 0.25, 1.0), layer_hybrid_shares=(0.25,), train_lens=(32,),
+             train_tokens=64, prefill_lens=(128,), decode_contexts=(136,), decode_steps=20,
+             repeats=1, device="cpu")
+
+
+def test_the_forms_and_what_they_hold(tmp_path: Path) -> None:
+    config = ModelBenchConfig(**SMALL)
+    names = [v.name for v in variants(config)]
+    assert names == ["transformer", "all-linear", "nats@0", "nats@0.25", "nats@1",
+                     "layer-hybrid@0.25"]
+    hybrid = variants(config)[-1]
+    assert hybrid.layer_types == ("gdn", "gdn", "gdn", "softmax") and hybrid.softmax_share == 0.25
+
+    report = run_model_benchmark(config, tmp_path / "model.json", log=lambda _: None)
+    assert json.loads((tmp_path / "model.json").read_text()) == json.loads(json.dumps(report))
+    rows = {(r["variant"], r["measure"]): r for r in report["rows"]}
+    assert len(rows) == len(names) * 3 and not any(r.get("oom") for r in report["rows"])
+    for name in names:
+        assert rows[(name, "train")]["tokens_per_s"] > 0 and rows[(name, "train")]["batch"] == 2
+        assert rows[(name, "prefill")]["ms"] > 0 and rows[(name, "decode")]["ms_per_token"] > 0
+    # The forced routes give the named share of 128 tokens (8 chunks, every 4th softmax).
+    for f in (0.0, 0.25, 1.0):
+        assert rows[(f"nats@{f:g}", "prefill")]["softmax_fraction"] == pytest.approx(f)
+    # The KV cache follows the softmax share.
+    kv = {name: rows[(name, "decode")]["kv_bytes"] for name in names}
+    assert kv["nats@0"] < kv["nats@0.25"] < kv["nats@1"]
+    assert kv["all-linear"] == 0 < kv["layer-hybrid@0.25"] < kv["transformer"]
+    table = ratio_table(report)
+    assert table.splitlines()[2].startswith("| transformer | ") and "(1.00x)" in table
+
+
+def test_the_command_and_its_refusals(tmp_path: Path, capsys) -> None:
+    args = ["bench", "model", "--device", "cpu", "--d-model", "32", "--n-layers", "2",
+            "--n-heads", "2", "--head-dim", "16", "--vocab-size", "64", "--chunk-size", "16",
+            "--fractions", "0.25", "--layer-hybrid-shares", "0.5", "--train-lens", "32",
+            "--train-tokens", "32", "--prefill-lens", "64", "--decode-contexts", "20",
+            "--decode-steps", "4", "--repeats", "1", "--out", str(tmp_path / "m.json")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "| nats@0.25 | " in out and f"wrote {tmp_path / 'm.json'}" in out
+    assert main([*args, "--head-dim", "8"]) == 2  # 2 x 8 is not the width
+    assert "n_heads x head_dim must be d_model" in capsys.readouterr().err
+    assert main([*args, "--fractions", "1.5"]) == 2
+    assert "--fractions must lie in [0, 1]" in capsys.readouterr().err
