@@ -247,8 +247,8 @@ def _cost_section(report: Report, config: Any, fractions: tuple[float | None, ..
     report.add("Cost against context length", _p(
         "Token-mixer cost of this architecture with the measured softmax fractions "
         f"({shown or 'no NAtS-L layer'}), beside the same model with every layer plain "
-        "softmax attention or plain Gated DeltaNet (batch 1, bf16 KV cache, fp32 state; "
-        "formulas in nats.cost_model). FLOPs are per token, averaged over a sequence "
+        f"softmax attention or plain {config.linear_op_name} (batch 1, bf16 KV cache, fp32 "
+        "state; formulas in nats.cost_model). FLOPs are per token, averaged over a sequence "
         "of the context length; KV cache and state are what decoding holds after it."),
         img, html_table(columns, body, groups))
     report.data[f"{prefix}cost"] = cost_rows(curves)

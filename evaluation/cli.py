@@ -25,11 +25,17 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="evaluation lengths (default: the training length)")
     p.add_argument("--pairs", type=int, nargs="+", metavar="P",
                    help="mqar: key-value pairs, one value or one per --seq-len")
-    p.add_argument("--placement", nargs="+", choices=MQARTask.PLACEMENTS)
-    p.add_argument("--filler", nargs="+", choices=MQARTask.FILLERS)
-    p.add_argument("--queries", nargs="+", choices=MQARTask.QUERIES)
-    p.add_argument("--distractors", type=int, nargs="+", help="needle: distractor needles")
-    p.add_argument("--haystack", nargs="+", choices=NeedleTask.HAYSTACKS)
+    # Each knob also takes the spelling `nats train` gives it (--mqar-placement, ...).
+    p.add_argument("--placement", "--mqar-placement", dest="placement", nargs="+",
+                   choices=MQARTask.PLACEMENTS)
+    p.add_argument("--filler", "--mqar-filler", dest="filler", nargs="+",
+                   choices=MQARTask.FILLERS)
+    p.add_argument("--queries", "--mqar-queries", dest="queries", nargs="+",
+                   choices=MQARTask.QUERIES)
+    p.add_argument("--distractors", "--needle-distractors", dest="distractors", type=int,
+                   nargs="+", help="needle: distractor needles")
+    p.add_argument("--haystack", "--needle-haystack", dest="haystack", nargs="+",
+                   choices=NeedleTask.HAYSTACKS)
     p.add_argument("--batches", type=int, default=DEFAULT_BATCHES,
                    help=f"evaluation batches per slice (default {DEFAULT_BATCHES})")
     p.add_argument("--batch-size", type=int, help="default: the run's batch size")

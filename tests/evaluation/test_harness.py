@@ -104,8 +104,9 @@ def test_cli_writes_json_and_labels_lengths(tmp_path: Path, capsys) -> None:
     model = _model()
     model.save_pretrained(tmp_path / "m")
     out = tmp_path / "r.json"
+    # --needle-distractors: the spelling `nats train` uses works here too.
     assert main(["eval", str(tmp_path / "m"), "--task", "needle", "--seq-len", "64", "128",
-                 "--haystack", "random", "repeated", "--distractors", "1", "--batches", "1",
+                 "--haystack", "random", "repeated", "--needle-distractors", "1", "--batches", "1",
                  "--batch-size", "2", "--train-seq-len", "64", "--device", "cpu",
                  "--out", str(out)]) == 0
     report = json.loads(out.read_text())
