@@ -26,10 +26,11 @@ from PIL import Image
 
 from nats.cost_model import compare_costs, fractions_from_measurement
 from nats.plotting import format_si, format_tokens, histogram, save_png
+from nats.trainers.evaluation import RelevantFn
 from nats.trainers.routing_maps import routing_figure
 
 from .cost_view import COST_METRICS, VARIANTS, cost_figure, cost_rows
-from .route_stats import BINS, LayerRouteStats, RelevantFn, collect_route_stats
+from .route_stats import BINS, LayerRouteStats, collect_route_stats
 from .token_view import TOKEN_VIEW_CSS, token_pieces, token_view_html, token_view_page
 
 REPORT_FILE = "report.html"

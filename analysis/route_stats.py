@@ -20,23 +20,13 @@ from tqdm import tqdm
 
 from nats.kernels import SOFTMAX
 from nats.softmax_fraction import softmax_token_counts
+from nats.trainers.evaluation import RelevantFn, informative_chunks
 
 if TYPE_CHECKING:
     from nats import NatsForCausalLM
 
-RelevantFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""``(input_ids, labels) -> bool [B, T]`` of the task-relevant positions."""
 BINS = 20
 """Bins of the route-probability histograms over ``0 .. 1``."""
-
-
-def chunk_any(mask: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """``[B, N]``: whether any position of each chunk is set in ``mask`` ``[B, T]``."""
-    b, t = mask.shape
-    n = -(-t // chunk_size)
-    padded = torch.zeros(b, n * chunk_size, dtype=torch.bool, device=mask.device)
-    padded[:, :t] = mask
-    return padded.view(b, n, chunk_size).any(-1)
 
 
 @dataclass
@@ -100,7 +90,7 @@ class LayerRouteStats:
         for h in range(self.heads):
             self.prob_hist[h] += np.bincount(bins[..., h].flatten().numpy(), minlength=BINS)
         if relevant is not None:
-            rel = chunk_any(relevant.cpu(), chunk_size)  # [B, N]
+            rel = informative_chunks(relevant.cpu(), chunk_size)  # [B, N]
             self.relevant_chunks += int(rel.sum())
             self.relevant_softmax_chunks += (sm & rel[..., None]).sum((0, 1)).numpy()
 

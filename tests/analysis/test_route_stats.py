@@ -7,13 +7,8 @@ import pytest
 import torch
 
 from nats import NatsConfig, NatsForCausalLM
-from nats.analysis.route_stats import BINS, chunk_any, collect_route_stats
+from nats.analysis.route_stats import BINS, collect_route_stats
 from nats.kernels import SOFTMAX
-
-
-def test_chunk_any_marks_chunks_holding_a_position() -> None:
-    mask = torch.tensor([[0, 0, 0, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0, 1]], dtype=torch.bool)
-    assert chunk_any(mask, 3).tolist() == [[False, True, False], [True, False, True]]
 
 
 def test_statistics_equal_a_recount() -> None:

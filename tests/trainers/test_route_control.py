@@ -58,6 +58,8 @@ def test_routing_precision_counts_by_hand() -> None:
     relevant[0, 20] = relevant[1, 40] = relevant[1, 63] = True  # chunks 1; 2 and 3 (last)
     assert informative_chunks(relevant, 16).tolist() == [[False, True, False, False],
                                                          [False, False, True, True]]
+    mask = torch.tensor([[0, 0, 0, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0, 1]], dtype=torch.bool)
+    assert informative_chunks(mask, 3).tolist() == [[False, True, False], [True, False, True]]
     sm = torch.tensor([[[1, 0], [1, 1], [0, 0], [1, 1]],   # [B, N, H]: 1 = softmax
                        [[0, 0], [0, 0], [1, 0], [0, 0]]])
     routes = torch.stack([sm, 1 - sm], -1).float()
