@@ -1,7 +1,7 @@
 """`nats bench decode`: milliseconds per generated token against a long hybrid cache.
 
 One layer at the kernel benchmark's width, prefilled with ``context`` tokens, then timed
-for ``steps`` single-token decode steps with CUDA events, both launched eagerly from
+for ``steps`` single-token decode steps (synchronised wall clock), both launched eagerly from
 Python and replayed from a CUDA graph (:class:`nats.cuda_graph.GraphedDecoder`, what
 ``generate`` uses on a GPU). A plain softmax layer with a full KV cache is measured
 beside NAtS-L layers forced to several softmax fractions, so both the time and the cache
@@ -11,6 +11,7 @@ size can be compared in one run.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -34,7 +35,8 @@ def time_decode(model: NatsForCausalLM, context: int, steps: int, device: torch.
     """Mean milliseconds per decode step after warm-up, and the cache's KV bytes.
 
     The steps cross chunk ends (``steps`` > the chunk size), so closing chunks and any
-    graph capture they cause are part of the mean.
+    graph capture they cause are part of the mean. ``graphed`` (a GPU only) replays the
+    steps from a CUDA graph, as ``generate`` does there.
     """
     ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
     _, cache = model.prefill(ids)
@@ -44,15 +46,15 @@ def time_decode(model: NatsForCausalLM, context: int, steps: int, device: torch.
     else:
         def step(t: torch.Tensor) -> torch.Tensor:
             return model.decode_step(t, cache)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(5):
         step(token)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    sync()
+    start = time.perf_counter()
     for _ in range(steps):
         step(token)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / steps, cache.kv_bytes()
+    sync()
+    return (time.perf_counter() - start) * 1e3 / steps, cache.kv_bytes()
 
 
 def run_decode_benchmark(contexts: tuple[int, ...], fractions: tuple[float, ...], steps: int,

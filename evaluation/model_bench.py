@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,9 +33,10 @@ import torch
 
 from nats.atomic_write import atomic_write_bytes
 from nats.config import NatsConfig
-from nats.cuda_graph import GraphedDecoder
 from nats.latency import median_ms
 from nats.model import NatsForCausalLM
+
+from .decode_benchmark import time_decode
 
 
 @dataclass(frozen=True)
@@ -117,10 +117,10 @@ def variants(config: ModelBenchConfig) -> list[Variant]:
     return out
 
 
-def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
-    def timed(fn: Callable[[], object], repeats: int) -> float:
-        return median_ms(fn, device, warmup=1, repeats=repeats)
-    return timed
+def _autocast(device: torch.device) -> torch.autocast:
+    """bf16 autocast on a GPU; on a CPU the reference operators run in float32."""
+    return torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" \
+        else torch.autocast("cpu", enabled=False)
 
 
 def train_step_row(model: NatsForCausalLM, config: ModelBenchConfig, length: int,
@@ -129,8 +129,7 @@ def train_step_row(model: NatsForCausalLM, config: ModelBenchConfig, length: int
     batch = config.train_tokens // length
     ids = torch.randint(0, config.vocab_size, (batch, length), device=device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" \
-        else torch.autocast("cpu", enabled=False)
+    autocast = _autocast(device)
     model.train()
 
     def step() -> None:
@@ -142,7 +141,7 @@ def train_step_row(model: NatsForCausalLM, config: ModelBenchConfig, length: int
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    ms = _timer(device)(step, config.repeats)
+    ms = median_ms(step, device, warmup=1, repeats=config.repeats)
     row = {"tokens_per_s": batch * length / (ms / 1e3), "ms": ms, "batch": batch}
     if device.type == "cuda":
         row["peak_bytes"] = torch.cuda.max_memory_allocated(device)
@@ -153,10 +152,9 @@ def prefill_row(model: NatsForCausalLM, config: ModelBenchConfig, length: int,
                 device: torch.device) -> dict[str, Any]:
     ids = torch.randint(0, config.vocab_size, (1, length), device=device)
     model.eval()
-    autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" \
-        else torch.autocast("cpu", enabled=False)
-    with torch.no_grad(), autocast:
-        row: dict[str, Any] = {"ms": _timer(device)(lambda: model.prefill(ids), config.repeats)}
+    with torch.no_grad(), _autocast(device):
+        row: dict[str, Any] = {"ms": median_ms(lambda: model.prefill(ids), device, warmup=1,
+                                               repeats=config.repeats)}
         fractions = [f.mean().item() for f in model(ids).attn_frac if f is not None]
     if fractions:  # what the forced routes made of this length (token-weighted)
         row["softmax_fraction"] = sum(fractions) / len(fractions)
@@ -166,26 +164,11 @@ def prefill_row(model: NatsForCausalLM, config: ModelBenchConfig, length: int,
 def decode_row(model: NatsForCausalLM, config: ModelBenchConfig, context: int,
                device: torch.device) -> dict[str, Any]:
     """Mean ms per token over ``decode_steps`` steps after ``context`` prefilled tokens
-    (crossing chunk ends), and the cache's KV bytes."""
+    (:func:`~nats.evaluation.decode_benchmark.time_decode`, graphed on a GPU)."""
     model.eval()
-    with torch.no_grad():
-        ids = torch.randint(0, config.vocab_size, (1, context), device=device)
-        _, cache = model.prefill(ids)
-        token = ids[:, -1]
-        if device.type == "cuda":
-            step: Callable[[torch.Tensor], torch.Tensor] = GraphedDecoder(model, cache)
-        else:
-            def step(t: torch.Tensor) -> torch.Tensor:
-                return model.decode_step(t, cache)
-        step(token)
-        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        sync()
-        start = time.perf_counter()
-        for _ in range(config.decode_steps):
-            step(token)
-        sync()
-        ms = (time.perf_counter() - start) * 1e3 / config.decode_steps
-    return {"ms_per_token": ms, "kv_bytes": cache.kv_bytes()}
+    ms, kv = time_decode(model, context, config.decode_steps, device,
+                         graphed=device.type == "cuda")
+    return {"ms_per_token": ms, "kv_bytes": kv}
 
 
 MEASURES = (("train", "train_lens", train_step_row), ("prefill", "prefill_lens", prefill_row),
@@ -210,12 +193,12 @@ def run_model_benchmark(config: ModelBenchConfig, out_json: Path | None,
         model.set_route_override(variant.fraction)
         params = sum(p.numel() for p in model.parameters())
         for measure, lengths_field, fn in MEASURES:
+            # Training runs in float32 weights under autocast; inference in bf16.
+            target = model.float() if measure == "train" else model.to(dtype)
             for length in getattr(config, lengths_field):
                 row = {"variant": variant.name, "softmax_share": variant.softmax_share,
                        "measure": measure, "length": length, "parameters": params}
                 try:
-                    # Training runs in float32 weights under autocast; inference in bf16.
-                    target = model.float() if measure == "train" else model.to(dtype)
                     row.update(fn(target, config, length, device))
                 except torch.cuda.OutOfMemoryError:  # a finding at this length
                     row["oom"] = True
