@@ -53,7 +53,7 @@ def _grid(out: Path, jobs: int, archs: list[str] = ARCHS, lrs: tuple[float, ...]
     base = _base(device)
     slices = [base, base.replace(seq_len=64, mqar_pairs=8)]
     args = argparse.Namespace(scale="test", device=device, max_minutes=10.0, archs=archs,
-                              out=out, jobs=jobs)
+                              out=out, jobs=jobs, no_prefill=False)
     return common.run_grid("mqar", args, base, lrs, (0,), slices, eval_batches=1,
                            select=lambda r: r["slices"][0]["accuracy"])
 
