@@ -33,12 +33,15 @@ from nats.trainers.config import ARCHITECTURES, with_architecture
 from nats.trainers.sources import LoadedModel, load_model
 
 PREFILL_LEN = 4096
+"""Batch-1 prefill timed on a GPU (CPU timings would say nothing about the kernels)."""
+TEST_EVAL_SEED = 1001
+"""Data stream of the test slices; runs are validated (and learning rates chosen) on their
+training config's ``eval_seed`` stream, a different one."""
 OFFICIAL = ":official"
 ARCH_CHOICES = (*ARCHITECTURES, *(f"{a}{OFFICIAL}" for a in ("natsl", "natsl-all")))
 """Grid rows: an architecture (``nats train --arch``), or a NAtS-L one with ``:official``,
 its NAtS-L layers trained with the official layer's recipe (``NatsConfig.official_recipe``)
 instead of the defaults."""
-"""Batch-1 prefill timed on a GPU (CPU timings would say nothing about the kernels)."""
 
 
 def parse_args(description: str, scales: dict[str, dict[str, Any]],
@@ -112,9 +115,12 @@ def train_and_eval(config: TrainConfig, arch: str, slices: Sequence[TrainConfig]
             raise KeyboardInterrupt(f"{config.out_dir} interrupted at step {result.step}; the "
                                     "same command resumes it")
         loaded = LoadedModel(result.model.eval(), config, f"run {config.out_dir}")
-        slices = [s.replace(model=config.model) for s in slices]
-        report = run_eval(loaded, slices, eval_batches, device, show_progress=console is None)
+        show = console is None
+        validation = run_eval(loaded, [config], eval_batches, device, show_progress=show)
+        slices = [s.replace(model=config.model, eval_seed=TEST_EVAL_SEED) for s in slices]
+        report = run_eval(loaded, slices, eval_batches, device, show_progress=show)
     report.update(arch=arch, lr=config.lr, seed=config.seed, steps=result.step,
+                  validation_loss=validation["slices"][0]["loss"],
                   train_seconds=train_seconds,
                   final_train_loss=result.train_losses[-1] if result.train_losses else None)
     _write_report(out, report)
@@ -180,9 +186,12 @@ def _executor(jobs: int) -> Executor:
 
 def run_grid(name: str, args: argparse.Namespace, base: TrainConfig, lrs: Sequence[float],
              seeds: Sequence[int], slices: Sequence[TrainConfig], eval_batches: int,
-             select: Callable[[dict[str, Any]], float]) -> list[dict[str, Any]]:
+             ) -> list[dict[str, Any]]:
     """Every architecture x learning rate x seed, in that order of priority under the budget
     (all architectures at the first seed before any second seed), ``args.jobs`` at a time.
+    Each run is scored on its training distribution's validation stream (``eval_seed``),
+    which picks the learning rate, and tested on ``slices`` drawn from a separate stream
+    (``TEST_EVAL_SEED``), so the tables never report data the choice was made on.
     A run starts only while the budget lasts; runs in flight finish. A run whose JSON report
     is already in the folder is read back, not trained again, so the same command with more
     ``--max-minutes`` finishes a grid the budget cut short. On CUDA, the prefill of every
@@ -238,8 +247,10 @@ def run_grid(name: str, args: argparse.Namespace, base: TrainConfig, lrs: Sequen
                          and (out / "runs" / tag).is_dir()], desc="prefill", unit="run"):
             add_prefill(reports[tag], out / "runs" / tag, slices[0], device)
             _write_report(out / f"{tag}.json", reports[tag])
-    for report in ordered:
-        report["selection_score"] = select(report)
+    for tag in order:
+        if tag in reports and "validation_loss" not in reports[tag]:
+            raise ValueError(f"{out / tag}.json predates validation-based selection (no "
+                             "validation_loss); delete it and its run folder to retrain")
     summary = {"experiment": name, "scale": args.scale, "device": str(device),
                "device_name": ordered[0]["device_name"] if ordered else None,
                "jobs": args.jobs, "minutes": (time.monotonic() - budget.start) / 60,
@@ -261,7 +272,7 @@ def _failed(name: str, tag: str, error: Exception, out: Path, jobs: int) -> Runt
 
 def _brief(report: dict[str, Any]) -> dict[str, Any]:
     keep = ("arch", "lr", "seed", "steps", "train_seconds", "final_train_loss",
-            "selection_score", "parameters", "prefill")
+            "validation_loss", "parameters", "prefill")
     slices = [{k: s[k] for k in ("name", "length", "accuracy", "sequence_accuracy",
                                  "softmax_fraction", "cost", "tokens_per_second")}
               | ({"bits_per_byte": s["bits_per_byte"]} if "bits_per_byte" in s else {})
@@ -270,11 +281,12 @@ def _brief(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def best_per_seed(reports: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """Per architecture, the best learning rate's report of each seed (highest score)."""
+    """Per architecture, the report of each seed at the learning rate of the lowest
+    validation loss."""
     best: dict[tuple[str, int], dict[str, Any]] = {}
     for r in reports:
         key = (r["arch"], r["seed"])
-        if key not in best or r["selection_score"] > best[key]["selection_score"]:
+        if key not in best or r["validation_loss"] < best[key]["validation_loss"]:
             best[key] = r
     out: dict[str, list[dict[str, Any]]] = {}
     for (arch, _), r in sorted(best.items(), key=lambda kv: kv[0][1]):

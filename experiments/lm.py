@@ -50,8 +50,7 @@ def main() -> None:
                        seq_len=s["seq_len"], warmup_steps=s["steps"] // 10,
                        eval_interval=s["steps"], eval_batches=2, log_interval=10,
                        checkpoint_interval=s["steps"], keep_checkpoints=1)
-    reports = run_grid("lm", args, base, s["lrs"], s["seeds"], [base], s["eval_batches"],
-                       select=lambda r: -r["slices"][0]["bits_per_byte"])
+    reports = run_grid("lm", args, base, s["lrs"], s["seeds"], [base], s["eval_batches"])
     header = ["arch", "params", "bits/byte", "softmax frac", *COST_HEADER]
     rows = []
     for arch, runs in best_per_seed(reports).items():

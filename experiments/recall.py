@@ -65,8 +65,7 @@ def main() -> None:
                        eval_batches=2, log_interval=10, checkpoint_interval=s["steps"],
                        keep_checkpoints=1)
     slices = [base.replace(seq_len=t, mqar_pairs=p, mqar_pairs_mix=()) for t, p in s["test"]]
-    reports = run_grid("recall", args, base, s["lrs"], s["seeds"], slices, s["eval_batches"],
-                       select=lambda r: r["slices"][0]["accuracy"])
+    reports = run_grid("recall", args, base, s["lrs"], s["seeds"], slices, s["eval_batches"])
     header = ["arch", *(f"acc {t}/{p}" for t, p in s["test"]), "seq acc", "softmax share",
               "informative -> softmax", "filler -> softmax", *COST_HEADER]
     rows = []
