@@ -175,7 +175,8 @@ def _micro_mean(values: list[list[torch.Tensor | None]], layer: int) -> torch.Te
 
 
 def _start_or_resume(config: TrainConfig, resume: bool, model: NatsForCausalLM,
-                     optimizer: torch.optim.Optimizer, skipped: list[Path]) -> int:
+                     optimizer: torch.optim.Optimizer, skipped: list[Path],
+                     say: Callable[[str], None]) -> int:
     """The first step to run: 0 for a new run, the checkpoint's step when resuming.
 
     A newest checkpoint that cannot be read or fails its digest (a disk that filled up, a
@@ -185,7 +186,7 @@ def _start_or_resume(config: TrainConfig, resume: bool, model: NatsForCausalLM,
     found = list_checkpoints(config.out_dir)
     if not found:
         if resume:
-            tqdm.write(f"nats: {config.out_dir} holds no checkpoint: starting from step 0")
+            say(f"nats: {config.out_dir} holds no checkpoint: starting from step 0")
         if config.init_from is not None:
             _load_initial_weights(model, config)
         return 0
@@ -200,10 +201,10 @@ def _start_or_resume(config: TrainConfig, resume: bool, model: NatsForCausalLM,
                                  "config")
             restored = load_checkpoint(path, model, optimizer)
         except CorruptCheckpoint as e:
-            tqdm.write(f"nats: warning: skipping {path.name}: {e}")
+            say(f"nats: warning: skipping {path.name}: {e}")
             skipped.append(path)
             continue
-        tqdm.write(f"nats: resuming from {path} at step {restored.step}")
+        say(f"nats: resuming from {path} at step {restored.step}")
         return restored.step
     raise ValueError(f"cannot resume {config.out_dir}: none of its {len(found)} checkpoints "
                      "can be read (see the warnings above)")
@@ -290,7 +291,9 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
     model = NatsForCausalLM(config.model).to(device)
     optimizer = build_optimizer(model, config)
     skipped: list[Path] = []
-    step = _start_or_resume(config, resume, model, optimizer, skipped)
+    # Every rank reads the checkpoint; one says so.
+    say = tqdm.write if world.is_main else (lambda _: None)
+    step = _start_or_resume(config, resume, model, optimizer, skipped, say)
     _hold_folder(config, world, device, hold)
     if world.is_main:
         for path in skipped:  # out of the way of latest_checkpoint, export and pruning

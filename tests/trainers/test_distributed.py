@@ -66,7 +66,7 @@ from nats.trainers import TrainConfig, train
 config = TrainConfig.from_dict(json.loads(open(sys.argv[1]).read()))
 rank = os.environ["RANK"]
 Path(sys.argv[2], f"pid{rank}").write_text(str(os.getpid()))
-result = train(config)
+result = train(config, resume=len(sys.argv) > 3)
 Path(sys.argv[2], f"result{rank}.json").write_text(
     json.dumps({"interrupted": result.interrupted, "step": result.step}))
 """
@@ -98,3 +98,15 @@ def test_a_sigterm_to_one_rank_stops_every_rank_at_one_checkpoint(micro: MicroCo
     assert all(r["interrupted"] for r in results)
     assert results[0]["step"] == results[1]["step"] < 100_000
     assert latest_checkpoint(tmp_path / "ddp").name == f"step_{results[0]['step']:08d}.safetensors"
+
+    # Resumed under torchrun: every rank restores the checkpoint, one says so.
+    stopped = results[0]["step"]
+    (tmp_path / "config.json").write_text(json.dumps(config.replace(steps=stopped + 2).to_dict()))
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "2", str(tmp_path / "worker.py"), str(tmp_path / "config.json"), str(tmp_path),
+         "resume"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (done.stdout + done.stderr).count("nats: resuming from") == 1
+    results = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in (0, 1)]
+    assert [r["step"] for r in results] == [stopped + 2] * 2
