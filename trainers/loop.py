@@ -63,7 +63,7 @@ class TrainResult:
     train_losses: list[float]
     """Training loss of every step this call ran."""
     eval_metrics: dict[str, float]
-    """Metrics of the last evaluation (empty if none ran)."""
+    """Metrics of the last evaluation (empty if none ran, and on every rank but 0)."""
     interrupted: bool
     checkpoint: Path | None
     """The newest checkpoint on disk when the call returned."""
@@ -264,7 +264,8 @@ def train(config: TrainConfig, *, resume: bool = False,
     ``out_dir`` receives ``train_config.json``, TensorBoard events, ``checkpoints/`` and,
     at the end, the trained model in ``model/`` (``NatsForCausalLM.from_pretrained``).
     With ``resume``, training continues exactly where the newest checkpoint left off.
-    Under ``torchrun`` every rank calls this; only rank 0 writes files.
+    Under ``torchrun`` every rank calls this; only rank 0 writes files and evaluates
+    (``on_eval`` runs there, and the other ranks' ``eval_metrics`` stay empty).
     """
     with joined_world(config.device) as (world, device), contextlib.ExitStack() as hold:
         return _train(config, resume, on_eval, world, device, hold)
@@ -362,13 +363,15 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
                                  **frac_scalars("train", stats.attn_frac),
                                  **route_frac_scalars("train", stats.routable_frac),
                                  **route_bias_scalars(model)}, step)
-                if step % config.eval_interval == 0 or step == config.steps:
+                # Rank 0 evaluates alone (every rank holds the same weights); the others
+                # go on and wait for it in the next step's all-reduce.
+                if world.is_main and (step % config.eval_interval == 0
+                                      or step == config.steps):
                     result = evaluate(model, eval_batches, device, autocast,
                                       batches.bytes_per_token, relevant)
                     eval_metrics = result.metrics
                     log.evaluation(result, step, config.model, config.seq_len)
-                    if world.is_main:
-                        tqdm.write(_eval_line(step, eval_metrics))
+                    tqdm.write(_eval_line(step, eval_metrics))
                     if on_eval is not None:
                         on_eval(step, eval_metrics, model)
                 if step % config.checkpoint_interval == 0:

@@ -24,8 +24,11 @@ WORKER = """
 import json, sys
 from nats.trainers import TrainConfig, train
 config = TrainConfig.from_dict(json.loads(open(sys.argv[1]).read()))
-result = train(config)
-if int(__import__("os").environ["RANK"]) == 0:
+evals = []
+result = train(config, on_eval=lambda step, metrics, model: evals.append(step))
+rank = int(__import__("os").environ["RANK"])
+open(f"{sys.argv[2]}.evals{rank}", "w").write(json.dumps(evals))
+if rank == 0:
     open(sys.argv[2], "w").write(json.dumps(result.train_losses))
 """
 
@@ -51,6 +54,9 @@ def test_two_processes_follow_the_single_process_run(micro: MicroConfig,
 
     losses = json.loads((tmp_path / "losses.json").read_text())
     assert losses == pytest.approx(single.train_losses, rel=1e-5)
+    # Evaluated once per interval, by rank 0 alone.
+    assert [json.loads((tmp_path / f"losses.json.evals{r}").read_text()) for r in (0, 1)] == \
+        [[3, 6], []]
     ddp_model = NatsForCausalLM.from_pretrained(tmp_path / "ddp" / "model")
     for (name, a), (_, b) in zip(single.model.state_dict().items(),
                                  ddp_model.state_dict().items(), strict=True):
