@@ -10,11 +10,7 @@ import torch
 from nats.analysis.token_view import token_pieces, token_view_html, token_view_page
 from nats.trainers import ByteTokenizer
 
-
-def _routes(sm: list[list[int]]) -> torch.Tensor:
-    """``[N, H, 2]`` from 0/1 softmax choices ``sm[n][h]``."""
-    s = torch.tensor(sm, dtype=torch.float32)
-    return torch.stack([s, 1 - s], dim=-1)
+from ..routes import routes_from_choices
 
 
 def _views(page: str) -> dict[str, list[tuple[str, str]]]:
@@ -30,8 +26,8 @@ def _views(page: str) -> dict[str, list[tuple[str, str]]]:
 def test_one_span_per_chunk_with_its_route_and_escaped_text() -> None:
     text = "<b>&'x\" y\nz!"  # 12 characters, one byte each: chunks of 4
     pieces = token_pieces(ByteTokenizer().encode(text), ByteTokenizer())
-    layer0 = _routes([[1, 0], [0, 0], [0, 1]])
-    layer2 = _routes([[0], [1], [1]])
+    layer0 = routes_from_choices([[1, 0], [0, 0], [0, 1]])
+    layer2 = routes_from_choices([[0], [1], [1]])
     page = token_view_html(pieces, [layer0, None, layer2], chunk_size=4)
     views = _views(page)
     assert list(views) == ["l0h0", "l0h1", "l2h0"]
@@ -49,7 +45,7 @@ def test_one_span_per_chunk_with_its_route_and_escaped_text() -> None:
 def test_partial_last_chunk_hover_and_relevant_tokens() -> None:
     pieces = [f"{t} " for t in range(6)]  # 6 tokens, chunks of 4: the last holds 2
     probs = torch.tensor([[[0.9, 0.1]], [[0.2, 0.8]]])
-    page = token_view_html(pieces, [_routes([[1], [0]])], chunk_size=4, probs=[probs],
+    page = token_view_html(pieces, [routes_from_choices([[1], [0]])], chunk_size=4, probs=[probs],
                            relevant=[False, True, False, False, False, True])
     spans = _views(page)["l0h0"]
     assert [c for c, _ in spans] == ["sm", "la"]
@@ -65,10 +61,10 @@ def test_pieces_of_bytes_tokenizers_and_ids() -> None:
 
 
 def test_page_is_self_contained_and_rejects_bad_input() -> None:
-    page = token_view_page(["a", "b"], [_routes([[1]])], chunk_size=2, title="t <1>")
+    page = token_view_page(["a", "b"], [routes_from_choices([[1]])], chunk_size=2, title="t <1>")
     assert page.startswith("<!DOCTYPE html>") and "t &lt;1&gt;" in page
     assert "http" not in page and "src=" not in page
     with pytest.raises(ValueError, match="no NAtS-L layer"):
         token_view_html(["a"], [None], chunk_size=2)
     with pytest.raises(ValueError, match=r"not \[2, H, 2\]"):
-        token_view_html(["a"] * 3, [_routes([[1]])], chunk_size=2)
+        token_view_html(["a"] * 3, [routes_from_choices([[1]])], chunk_size=2)

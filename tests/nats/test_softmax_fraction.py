@@ -13,11 +13,7 @@ from nats.softmax_fraction import (
     softmax_token_counts,
 )
 
-
-def _routes(sm: list[list[list[int]]]) -> torch.Tensor:
-    """``[B, N, H, 2]`` one-hot routes from 0/1 softmax choices ``sm[b][n][h]``."""
-    s = torch.tensor(sm, dtype=torch.float32)
-    return torch.stack([s, 1 - s], dim=-1)
+from ..routes import routes_from_choices
 
 
 def _model(layer_types=("nats", "gdn", "nats")) -> NatsForCausalLM:
@@ -30,7 +26,7 @@ def _model(layer_types=("nats", "gdn", "nats")) -> NatsForCausalLM:
 def test_chunks_count_their_tokens_and_the_last_may_be_partial() -> None:
     assert chunk_token_counts(40, 16).tolist() == [16, 16, 8]
     assert chunk_token_counts(32, 16).tolist() == [16, 16]
-    routes = _routes([[[1, 0], [0, 0], [1, 1]],      # sequence 0: chunks x heads
+    routes = routes_from_choices([[[1, 0], [0, 0], [1, 1]],      # sequence 0: chunks x heads
                       [[0, 0], [1, 0], [0, 1]]])     # sequence 1
     assert softmax_token_counts(routes, 40, 16).tolist() == [16 + 8 + 16, 8 + 8]
     with pytest.raises(ValueError, match="routes cover 3 chunks"):

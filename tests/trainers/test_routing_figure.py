@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from nats.trainers.routing_maps import (
     GRID_LEFT,
@@ -18,17 +17,14 @@ from nats.trainers.routing_maps import (
     routing_figure,
 )
 
-
-def _routes(sm: list[list[list[int]]]) -> torch.Tensor:
-    s = torch.tensor(sm, dtype=torch.float32)
-    return torch.stack([s, 1 - s], dim=-1)
+from ..routes import routes_from_choices
 
 
 def test_cells_sit_where_the_layout_puts_them() -> None:
     # Layer 0: 2 heads x 3 chunks; layer 1: plain softmax; layer 2: 1 head.
-    layer0 = _routes([[[1, 0], [0, 0], [1, 1]],
+    layer0 = routes_from_choices([[[1, 0], [0, 0], [1, 1]],
                       [[0, 0], [0, 0], [0, 0]]])   # sequence 1 is not drawn
-    layer2 = _routes([[[0], [1], [0]], [[1], [1], [1]]])
+    layer2 = routes_from_choices([[[0], [1], [0]], [[1], [1], [1]]])
     img = np.asarray(routing_figure([layer0, None, layer2], ["nats", "softmax", "nats"],
                                     chunk_size=4, seq_len=12, sequence=0, cell_width=10))
     expected = {0: [[1, 0, 1], [0, 0, 1]], 2: [[0, 1, 0]]}   # rows = heads, columns = chunks
@@ -47,7 +43,7 @@ def test_cells_sit_where_the_layout_puts_them() -> None:
 
 def test_fraction_bars_follow_this_input() -> None:
     # Layer 0: head 0 softmax on chunk 0 only, head 1 never: 4 of 2 x 10 tokens (0.2).
-    routes = _routes([[[1, 0], [0, 0], [0, 0]]])
+    routes = routes_from_choices([[[1, 0], [0, 0], [0, 0]]])
     fig = routing_figure([routes], ["nats"], chunk_size=4, seq_len=10, cell_width=10)
     text_free = np.asarray(fig)[GRID_TOP + ROW_HEIGHT]  # the bar's row: middle of the layer
     bar = np.where((text_free == SOFTMAX_RGB).all(-1))[0]

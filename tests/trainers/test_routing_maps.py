@@ -8,15 +8,11 @@ import torch
 
 from nats.trainers.routing_maps import LINEAR_RGB, SOFTMAX_RGB, routing_map, routing_map_image
 
-
-def _routes(sm: list[list[list[int]]]) -> torch.Tensor:
-    """``[B, N, H, 2]`` one-hot routes from 0/1 softmax choices ``sm[b][n][h]``."""
-    s = torch.tensor(sm, dtype=torch.float32)
-    return torch.stack([s, 1 - s], dim=-1)
+from ..routes import routes_from_choices
 
 
 def test_map_is_sequence_major_heads_by_chunks() -> None:
-    routes = _routes([[[1, 0], [0, 0], [1, 1]],      # sequence 0: chunks x heads
+    routes = routes_from_choices([[[1, 0], [0, 0], [1, 1]],      # sequence 0: chunks x heads
                       [[0, 1], [1, 0], [0, 0]]])     # sequence 1
     expected = torch.tensor([[1, 0, 1],              # sequence 0, head 0: chunks 0..2
                              [0, 0, 1],              # sequence 0, head 1
@@ -26,7 +22,7 @@ def test_map_is_sequence_major_heads_by_chunks() -> None:
 
 
 def test_image_upscales_each_cell_by_nearest_neighbour() -> None:
-    routes = _routes([[[1, 0]], [[0, 1]]])  # one chunk, 2 sequences x 2 heads
+    routes = routes_from_choices([[[1, 0]], [[0, 1]]])  # one chunk, 2 sequences x 2 heads
     image = routing_map_image(routes, min_size=3)
     assert image.dtype == np.uint8 and image.shape == (12, 3, 3)
     cells = [image[3 * c: 3 * c + 3].reshape(-1, 3) for c in range(4)]
@@ -36,7 +32,7 @@ def test_image_upscales_each_cell_by_nearest_neighbour() -> None:
 
 
 def test_long_maps_stop_growing_at_max_size() -> None:
-    routes = _routes([[[1]] * 300])  # 300 chunks, one head: a 1 x 300 grid
+    routes = routes_from_choices([[[1]] * 300])  # 300 chunks, one head: a 1 x 300 grid
     assert routing_map_image(routes, min_size=256, max_size=2048).shape == (6, 1800, 3)
     assert routing_map_image(routes, min_size=256, max_size=100).shape == (1, 300, 3)
 
