@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from statistics import NormalDist
 
 import torch
 import torch.nn.functional as F
@@ -147,8 +148,9 @@ class BudgetedScores(nn.Module):
 
 
 def _normal_quantile(p: float) -> float:
-    """The bias ``b`` with ``P(z + b > 0) = p`` for a standard normal ``z``."""
-    return math.sqrt(2) * torch.erfinv(torch.tensor(2 * p - 1.0, dtype=torch.float64)).item()
+    """The bias ``b`` with ``P(z + b > 0) = p`` for a standard normal ``z``: computed
+    without tensors, so that a model can be built on the meta device."""
+    return NormalDist().inv_cdf(p)
 
 
 def straight_through(probs: torch.Tensor) -> torch.Tensor:

@@ -91,3 +91,16 @@ def test_damaged_model_folders_are_one_line_errors(tmp_path) -> None:
     assert "model.safetensors cannot be read" in cases["truncated"]
     assert "model.safetensors does not match config.json" in cases["other-shape"]
     assert all("\n" not in message for message in cases.values())
+
+
+def test_built_on_the_meta_device_then_loaded_equals_the_original() -> None:
+    """Large models are built without memory (``torch.device("meta")``) and then given
+    their weights; nothing in construction may need real values."""
+    model = tiny_model(("nats", "gdn", "softmax"), rope=True).eval()
+    with torch.device("meta"):
+        empty = NatsForCausalLM(model.config)
+    assert all(p.is_meta for p in empty.parameters())
+    empty = empty.to_empty(device="cpu").to(torch.float64)
+    empty.load_state_dict(model.state_dict())
+    ids = torch.randint(0, model.config.vocab_size, (2, 40))
+    assert torch.equal(empty.eval()(ids).logits, model(ids).logits)
