@@ -325,8 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_search_parser(sub)
 
     from nats.evaluation.cli import add_eval_parser
+    from nats.evaluation.ruler import add_ruler_parser
 
     add_eval_parser(sub)
+    add_ruler_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks (kernels and decode need a GPU)")
     bench_sub = bench.add_subparsers(dest="bench_target", required=True, metavar="TARGET")
