@@ -76,6 +76,9 @@ def add_search_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--seed", type=int, default=0, help="seed of the Optuna sampler")
     p.add_argument("--sampler", choices=SAMPLERS, default="tpe",
                    help="Optuna sampler: tpe (multivariate TPE, default) or nsga2")
+    p.add_argument("--no-baselines", dest="baselines", action="store_false",
+                   help="do not train the space's pure forms (every layer softmax, every "
+                        "layer gdn) as the first trials")
     p.add_argument("--asha", action="store_true",
                    help="stop poor trials early (ASHA on the quality metric)")
     p.add_argument("--max-failures", type=int, default=2,
@@ -215,7 +218,7 @@ def search_command(args: argparse.Namespace) -> int:
         max_concurrent=args.max_concurrent,
         cpus_per_trial=args.cpus_per_trial, gpus_per_trial=args.gpus_per_trial,
         time_budget_s=args.time_budget, seed=args.seed, sampler=args.sampler, asha=args.asha,
-        max_failures=args.max_failures, optuna_storage=storage)
+        max_failures=args.max_failures, optuna_storage=storage, baselines=args.baselines)
     out = (Path(args.out) if args.out is not None else default_out()).resolve()
     print(f"nats: searching space {space.name!r} ({settings.num_trials} trials, "
           f"{settings.max_concurrent} at a time) into {out}")

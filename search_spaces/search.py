@@ -70,9 +70,14 @@ class SearchSettings:
     search folder (``run_search`` stores a file inside the folder that way, so that a copy
     of the folder keeps its own study)."""
     study_name: str = "nats-search"
+    baselines: bool = True
+    """Train the space's pure forms first (``SearchSpace.baseline_points``)."""
 
     def __post_init__(self) -> None:
         objective_keys(self.objective, self.quality, self.cost)
+        for name in ("asha", "baselines"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} {getattr(self, name)!r}: must be true or false")
         if self.sampler not in SAMPLERS:
             raise ValueError(f"--sampler {self.sampler!r}: must be one of {SAMPLERS}")
         for name in ("context", "latency_len", "num_trials", "max_concurrent"):
@@ -403,7 +408,9 @@ def _trainable(settings: SearchSettings, out: Path) -> Any:
     return tune.with_resources(fn, resources)
 
 
-def _tuner(settings: SearchSettings, out: Path) -> Any:
+def _tuner(settings: SearchSettings, out: Path, first: list[dict[str, Any]] | None = None,
+           ) -> Any:
+    """The Tune experiment; ``first``: Optuna parameters to try before the sampler's."""
     import warnings
 
     import optuna
@@ -428,7 +435,7 @@ def _tuner(settings: SearchSettings, out: Path) -> Any:
     searcher = OptunaSearch(DefineByRun(settings.search_space(), base),
                             metric=metrics if len(metrics) > 1 else metrics[0],
                             mode=modes if len(modes) > 1 else modes[0],
-                            sampler=_sampler(settings),
+                            sampler=_sampler(settings), points_to_evaluate=first or None,
                             storage=_optuna_storage(study_storage(settings, out), out),
                             study_name=settings.study_name)
     # What Tune would wrap the searcher in for `max_concurrent_trials`, made here so that
@@ -568,9 +575,12 @@ def run_search(settings: SearchSettings, out: str | Path, *,
         (out / "trials").mkdir(parents=True, exist_ok=True)
         settings.save(out)
         try:
+            # Queued in a new study only: a restarted one has them already.
+            first = (settings.search_space().baseline_points(settings.base_config())
+                     if settings.baselines else [])
             with searching(out):
-                return _with_ray(address,
-                                 lambda: _outcome(_tuner(settings, out).fit(), settings))
+                return _with_ray(
+                    address, lambda: _outcome(_tuner(settings, out, first).fit(), settings))
         finally:
             tune_state.sign(out / TUNE_NAME, out)
 

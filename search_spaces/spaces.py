@@ -150,6 +150,17 @@ class SearchSpace:
             (model_changes if dim.name in MODEL_PARAMS else train_changes)[dim.name] = value
         return base.replace(model=base.model.replace(**model_changes), **train_changes)
 
+    def baseline_points(self, base: TrainConfig) -> list[dict[str, str]]:
+        """The pure forms this space can draw, every layer softmax and every layer Gated
+        DeltaNet, as Optuna parameters: trained first, they measure what a hybrid must beat
+        (a per-layer mix at a fixed depth only; parameters not named are sampled)."""
+        mix = self.layers
+        if mix is None or mix.every is not None or self.dim("n_layers") is not None:
+            return []
+        n = base.model.n_layers
+        return [{f"layer{i}": kind for i in range(n)}
+                for kind in ("softmax", "gdn") if kind in mix.choices]
+
     def describe(self) -> list[str]:
         lines = [f"{d.name}: {d.describe()}" for d in self.dims]
         if self.layers is not None:

@@ -149,3 +149,25 @@ def test_bad_space_files_are_one_line_errors(tmp_path: Path, text: str, needle: 
 def test_unknown_space_name() -> None:
     with pytest.raises(SpaceError, match="neither a built-in space"):
         load_space("no-such-space")
+
+
+def test_baselines_are_the_pure_forms_of_a_per_layer_mix() -> None:
+    base = search_base("mqar-search")  # 2 layers
+    pure = [{"layer0": "softmax", "layer1": "softmax"}, {"layer0": "gdn", "layer1": "gdn"}]
+    assert load_space("hybrid").baseline_points(base) == pure
+    # Each becomes a trial's config through the define-by-run function: unrouted models,
+    # so no routing parameter is asked.
+    space = load_space("hybrid")
+    for point in pure:
+        config = space.sample(FixedTrial(point), base)
+        assert config.model.layer_types == (point["layer0"],) * 2
+    # A depth or a pattern search has no single pure form to queue.
+    assert load_space("nats-every-k").baseline_points(base) == []
+    assert load_space("full").baseline_points(base) == []
+
+
+def test_baselines_setting_is_a_bool() -> None:
+    from nats.search_spaces.search import make_settings
+
+    with pytest.raises(ValueError, match="baselines 'yes': must be true or false"):
+        make_settings(load_space("hybrid"), search_base("mqar-search"), baselines="yes")
