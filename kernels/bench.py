@@ -2,7 +2,7 @@
 
 Every figure is a median of CUDA-event timings (``triton.testing.do_bench``) taken in one
 run, so ratios against SDPA causal attention measured beside it are what to compare
-across machines. The shapes are issue 3's: bf16, ``B*T`` tokens fixed, ``H`` routing
+across machines. The shapes: bf16, ``B*T`` tokens fixed, ``H`` routing
 heads with linear heads of ``Dk = Dv = 128`` and ``r = 2`` softmax heads of 64 each.
 """
 

@@ -53,8 +53,8 @@ class SoftmaxAttention(nn.Module):
     def prefill(self, x: torch.Tensor) -> tuple[torch.Tensor, None, SoftmaxLayerCache]:
         qkv, conv = self.qkv.prefill(x)
         q, k, v = self._heads(x, qkv, 0)
-        # Contiguous heads: with v a strided slice of the projection, SDPA on an H100 fell
-        # back to its math kernel and its [T, T] scores (128 GiB at 32k tokens).
+        # Contiguous heads: with v a strided slice of the projection, SDPA falls back to its
+        # math kernel, which materialises the [T, T] scores.
         o = F.scaled_dot_product_attention(*(t.transpose(1, 2).contiguous() for t in (q, k, v)),
                                            is_causal=True)
         cache = SoftmaxLayerCache.from_prompt(k.transpose(1, 2), v.transpose(1, 2), conv)
