@@ -85,24 +85,24 @@ def make_sample(name: str, length: int, encode: Any, rng: random.Random,
     needle = NEEDLE.format(type_needle_v=task.value, key=key, value=value)
     depth = rng.choice(DEPTHS)
     if task.haystack == "noise":
-        units, joiner = [NOISE], " "
+        units, start = [NOISE], 0
     else:
         if not essay_words:
             raise ValueError(f"{name} needs essay words")
-        start = rng.randrange(len(essay_words))
-        units, joiner = (essay_words[start:] + essay_words[:start]), " "
+        units, start = essay_words, rng.randrange(len(essay_words))
 
     def prompt(n: int) -> str:
-        hay = [units[i % len(units)] for i in range(n)]
+        hay = [units[(start + i) % len(units)] for i in range(n)]
         at = round(n * depth / 100)
-        context = joiner.join([*hay[:at], needle, *hay[at:]])
+        context = " ".join([*hay[:at], needle, *hay[at:]])
         return (TEMPLATE.format(type_needle_v=task.value, context=context, query=key)
                 + ANSWER_PREFIX.format(type_needle_v=task.value, query=key))
 
     budget = length - len(encode(" " + value + "."))
-    if len(encode(prompt(0))) > budget:
+    bare = len(encode(prompt(0)))
+    if bare > budget:
         raise ValueError(f"length {length} is too short for {name}: the prompt alone takes "
-                         f"{len(encode(prompt(0)))} tokens")
+                         f"{bare} tokens")
     low, high = 0, 1
     while len(encode(prompt(high))) <= budget:  # grow, then bisect: a few encodings
         low, high = high, 2 * high
