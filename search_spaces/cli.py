@@ -174,6 +174,8 @@ def _report(out: Path, errors: dict[str, str], pick_choice: str | None,
               f"{row['chunk_size']}) to {out / EXPORT_DIR}: {exported.config.layer_types}")
         for line in chosen_summary(exported, results.settings.context):
             print(f"      {line}")
+        if exported.routing_map is not None:
+            print(f"      its routes: {exported.routing_map}")
         print(f"      train it at scale: {retrain_command(exported)} --init-from "
               f"{out / EXPORT_DIR} ...")
     elif export:

@@ -150,16 +150,27 @@ class SearchSpace:
             (model_changes if dim.name in MODEL_PARAMS else train_changes)[dim.name] = value
         return base.replace(model=base.model.replace(**model_changes), **train_changes)
 
-    def baseline_points(self, base: TrainConfig) -> list[dict[str, str]]:
-        """The pure forms this space can draw, every layer softmax and every layer Gated
-        DeltaNet, as Optuna parameters: trained first, they measure what a hybrid must beat
-        (a per-layer mix at a fixed depth only; parameters not named are sampled)."""
+    def baseline_points(self, base: TrainConfig) -> list[dict[str, Any]]:
+        """The uniform stacks this space can draw, as Optuna parameters: every layer
+        softmax, every layer Gated DeltaNet, and every layer NAtS-L with the base's own
+        routing settings. Trained first, they measure what a mix must beat; the NAtS-L one
+        is the method as the base configures it, which the sampler might otherwise never
+        draw in a short search (a per-layer mix at a fixed depth only; parameters not
+        named are sampled). The NAtS-L stack is left out when a routing parameter of the
+        space cannot take the base's value."""
         mix = self.layers
         if mix is None or mix.every is not None or self.dim("n_layers") is not None:
             return []
         n = base.model.n_layers
-        return [{f"layer{i}": kind for i in range(n)}
-                for kind in ("softmax", "gdn") if kind in mix.choices]
+        points: list[dict[str, Any]] = [{f"layer{i}": kind for i in range(n)}
+                                        for kind in ("softmax", "gdn") if kind in mix.choices]
+        routing = [d for d in self.dims if d.name in ROUTING_PARAMS]
+        if "nats" in mix.choices and all(_admits(d, getattr(base.model, d.name))
+                                         for d in routing):
+            asked = [d.name for d in routing if d.choices is None or len(d.choices) > 1]
+            points.append({**{f"layer{i}": "nats" for i in range(n)},
+                           **{name: getattr(base.model, name) for name in asked}})
+        return points
 
     def describe(self) -> list[str]:
         lines = [f"{d.name}: {d.describe()}" for d in self.dims]
@@ -179,6 +190,15 @@ class DefineByRun:
 
     def __call__(self, trial: Any) -> None:
         self.space.sample(trial, self.base)
+
+
+def _admits(dim: Dim | None, value: Any) -> bool:
+    """Whether ``dim`` can suggest ``value``."""
+    if dim is None or value is None:
+        return False
+    if dim.choices is not None:
+        return value in dim.choices
+    return float(dim.low) <= value <= float(dim.high)
 
 
 def _err(where: str, key: str, value: Any, allowed: str) -> SpaceError:

@@ -18,6 +18,7 @@ carried over.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from collections.abc import Sequence
@@ -37,9 +38,12 @@ from nats.softmax_fraction import (
     measure_softmax_fraction,
 )
 
+from .routing_maps import routing_figure
 from .sources import TRAIN_CONFIG_FILE, TRAINING_FILE, load_model
 
 README_FILE = "README.md"
+ROUTING_MAP_FILE = "routing_map.png"
+"""The routes of the first evaluation sequence, drawn when a NAtS-L layer was measured."""
 PLAIN_KIND = {ALL_SOFTMAX: "softmax", ALL_LINEAR: "gdn"}
 """The plain layer type that a NAtS-L layer with these routes is exported as."""
 _NAMES = {"nats": "NAtS-L (hybrid)", "softmax": "softmax attention"}
@@ -78,11 +82,14 @@ class ExportResult:
     """State-dict keys whose tensors are the trained ones."""
     fresh: tuple[str, ...] = field(default=())
     """State-dict keys freshly initialised (the mixers of converted layers)."""
+    routing_map: Path | None = None
+    """``routing_map.png``, or ``None`` when no NAtS-L layer was measured."""
 
     @property
     def files(self) -> list[Path]:
         out = [self.out_dir / CONFIG_FILE]
-        return out + [p for p in (self.weights, self.training) if p] + [self.readme]
+        return out + [p for p in (self.weights, self.training, self.routing_map) if p] + \
+            [self.readme]
 
 
 def _source_folders(path: Path) -> set[Path]:
@@ -146,6 +153,8 @@ def export_model(model: NatsForCausalLM, out_dir: str | os.PathLike, *,
     else:
         run = train_config.replace(model=config, init_from=None, out_dir=f"runs/{out.name}")
         atomic_write_bytes(training_path, (json.dumps(run.to_dict(), indent=2) + "\n").encode())
+    routing_map = _draw_routes(model, eval_batches[0] if eval_batches else None,
+                               out / ROUTING_MAP_FILE)
     result = ExportResult(
         out_dir=out, config=config, trained_layer_types=trained.layer_types,
         fractions=fractions, converted=converted, weights=weights_path,
@@ -154,9 +163,33 @@ def export_model(model: NatsForCausalLM, out_dir: str | os.PathLike, *,
         parameters=sum(p.numel() for p in exported.parameters()),
         dtype=str(exported.embed.weight.dtype).removeprefix("torch."),
         eval_description=eval_description or f"{len(eval_batches)} batch(es)",
-        carried=carried, fresh=fresh)
+        carried=carried, fresh=fresh, routing_map=routing_map)
     atomic_write_bytes(result.readme, render_readme(result, init_seed).encode())
     return result
+
+
+def _draw_routes(model: NatsForCausalLM, batch: Batch | torch.Tensor | None,
+                 path: Path) -> Path | None:
+    """Draw the trained model's routes of ``batch``'s first sequence to ``path`` (the
+    picture of what it learned to keep in the KV cache); without a NAtS-L layer or a batch,
+    remove a stale picture of an earlier export and return ``None``."""
+    if batch is None or "nats" not in model.config.layer_types:
+        path.unlink(missing_ok=True)
+        return None
+    ids = (batch[0] if isinstance(batch, (tuple, list)) else batch)[:1]
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        routes = model(ids.to(next(model.parameters()).device)).routes
+    model.train(was_training)
+    figure = routing_figure([r.cpu() if r is not None else None for r in routes],
+                            model.config.layer_types, model.config.chunk_size, ids.shape[1],
+                            title=f"routes of the first evaluation sequence ({ids.shape[1]} "
+                                  "tokens)")
+    buffer = io.BytesIO()
+    figure.save(buffer, format="PNG")
+    atomic_write_bytes(path, buffer.getvalue())
+    return path
 
 
 def export_architecture(source: str | os.PathLike, out_dir: str | os.PathLike, *,
@@ -282,6 +315,9 @@ def render_readme(result: ExportResult, init_seed: int = 0) -> str:
                   "one way on that data.", ""]
     else:
         lines += ["Softmax fractions were not measured (no evaluation batches).", ""]
+    if result.routing_map is not None:
+        lines += [f"`{ROUTING_MAP_FILE}`: the routes of the first of those sequences, chunk by "
+                  "chunk and head by head.", ""]
     lines += ["| layer | trained as | exported as | softmax fraction per head | mean | routes |",
               "|---|---|---|---|---|---|"]
     for i, trained in enumerate(result.trained_layer_types):

@@ -151,17 +151,29 @@ def test_unknown_space_name() -> None:
         load_space("no-such-space")
 
 
-def test_baselines_are_the_pure_forms_of_a_per_layer_mix() -> None:
-    base = search_base("mqar-search")  # 2 layers
+def test_baselines_are_the_uniform_stacks_of_a_per_layer_mix() -> None:
+    base = search_base("mqar-search")  # 2 layers, NAtS-L budget 0.5
     pure = [{"layer0": "softmax", "layer1": "softmax"}, {"layer0": "gdn", "layer1": "gdn"}]
-    assert load_space("hybrid").baseline_points(base) == pure
-    # Each becomes a trial's config through the define-by-run function: unrouted models,
-    # so no routing parameter is asked.
+    nats = {"layer0": "nats", "layer1": "nats", "softmax_target": 0.5}
     space = load_space("hybrid")
+    assert space.baseline_points(base) == [*pure, nats]
+    # Each becomes a trial's config through the define-by-run function: the unrouted
+    # models are asked no routing parameter, the NAtS-L one gets the base's budget.
     for point in pure:
         config = space.sample(FixedTrial(point), base)
         assert config.model.layer_types == (point["layer0"],) * 2
-    # A depth or a pattern search has no single pure form to queue.
+    config = space.sample(FixedTrial(nats), base)
+    assert config.model.layer_types == ("nats", "nats") and config.model.softmax_target == 0.5
+    # A space that cannot take the base's routing settings queues no NAtS-L stack.
+    other = base.replace(model=base.model.replace(softmax_target=0.3))
+    assert space.baseline_points(other) == pure
+    assert load_space("chunk-and-mix").baseline_points(other) == pure
+    no_budget = base.replace(model=base.model.replace(softmax_target=None))
+    assert space.baseline_points(no_budget) == pure
+    # A space without routing parameters queues it as the base has it.
+    assert load_space("layer-mix").baseline_points(other)[-1] == {"layer0": "nats",
+                                                                   "layer1": "nats"}
+    # A depth or a pattern search has no single uniform stack to queue.
     assert load_space("nats-every-k").baseline_points(base) == []
     assert load_space("full").baseline_points(base) == []
 

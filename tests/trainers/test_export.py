@@ -82,7 +82,7 @@ def test_layer_lists_in_config_dicts() -> None:
 def test_export_of_a_run_loads_with_the_same_logits(run: Path, tmp_path: Path) -> None:
     result = export_architecture(run, tmp_path / "out")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == \
-        ["README.md", "config.json", "model.safetensors", "training.json"]
+        ["README.md", "config.json", "model.safetensors", "routing_map.png", "training.json"]
     assert result.origin == f"run {run} (model/, step 4)" and not result.converted
     loaded = NatsForCausalLM.from_pretrained(tmp_path / "out")
     assert loaded.config.layer_types == LAYERS
@@ -91,6 +91,32 @@ def test_export_of_a_run_loads_with_the_same_logits(run: Path, tmp_path: Path) -
     saved = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (saved["softmax_layers"], saved["linear_layers"], saved["hybrid_layers"]) == \
         ([1], [], [0, 2])
+
+
+def test_export_draws_the_routes_of_the_first_evaluation_sequence(run: Path,
+                                                                  tmp_path: Path) -> None:
+    import numpy as np
+    from PIL import Image
+
+    from nats.trainers.routing_maps import routing_figure
+
+    result = export_architecture(run, tmp_path / "out")
+    assert result.routing_map == tmp_path / "out" / "routing_map.png"
+    ids = _eval_batches(run)[0][0][:1]
+    with torch.no_grad():
+        routes = NatsForCausalLM.from_pretrained(run / "model").eval()(ids).routes
+    expected = routing_figure(routes, LAYERS, 16, ids.shape[1], title="routes of the first "
+                              f"evaluation sequence ({ids.shape[1]} tokens)")
+    with Image.open(result.routing_map) as drawn:
+        assert np.array_equal(np.asarray(drawn.convert("RGB")),
+                              np.asarray(expected.convert("RGB")))
+    assert "`routing_map.png`" in result.readme.read_text()
+    # A model without routes, exported over it, leaves no picture of the old one.
+    plain = NatsForCausalLM(NatsConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=2,
+                                       head_dim_k=16, head_dim_v=16, chunk_size=16,
+                                       layer_types=("gdn",)))
+    again = export_model(plain, tmp_path / "out", eval_batches=_eval_batches(run), force=True)
+    assert again.routing_map is None and not (tmp_path / "out" / "routing_map.png").exists()
 
 
 def test_readme_reports_each_layers_measured_fraction(run: Path, tmp_path: Path) -> None:
@@ -117,7 +143,8 @@ def test_no_weights_writes_config_and_readme_only(run: Path, tmp_path: Path) -> 
     export_architecture(run, out)
     result = export_architecture(run, out, weights=False, force=True)  # replaces the weights
     assert result.weights is None
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "training.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json",
+                                                     "routing_map.png", "training.json"]
     config = NatsConfig.from_dict(json.loads((out / "config.json").read_text()))
     assert config == NatsForCausalLM.from_pretrained(run / "model").config
     readme = result.readme.read_text()
@@ -268,12 +295,14 @@ def test_cli_export(run: Path, tmp_path: Path, capsys) -> None:
     printed = capsys.readouterr().out
     assert printed.startswith(f"nats: exported run {run} (model/, step 4)\n")
     assert "  layer 0: nats" in printed and "  layer 1: softmax\n" in printed
-    assert f"wrote config.json, model.safetensors, training.json, README.md to {out}" in printed
+    assert (f"wrote config.json, model.safetensors, training.json, routing_map.png, "
+            f"README.md to {out}") in printed
 
     assert main(["export", str(run), "--out", str(out)]) == 2  # not empty
     err = capsys.readouterr().err
     assert err.startswith("nats: error: --out ") and err.count("\n") == 1
     assert main(["export", str(run), "--out", str(out), "--force", "--no-weights",
                  "--eval-batches", "1"]) == 0
-    assert "wrote config.json, training.json, README.md" in capsys.readouterr().out
+    assert "wrote config.json, training.json, routing_map.png, README.md" in \
+        capsys.readouterr().out
     assert not (out / "model.safetensors").exists()
