@@ -50,8 +50,9 @@ def parse_args(description: str, scales: dict[str, dict[str, Any]],
     time budget)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--scale", choices=list(scales), default="cpu",
-                   help="cpu: reduced, minutes on a CPU; gpu: the issue's size, < 1 h on one "
-                        "GPU; gpu-quick: a few minutes on one GPU")
+                   help="cpu: reduced, minutes on a CPU; the gpu scales run on one GPU, gpu "
+                        "at the issue's size in < 1 h (every scale's sizes: the script's "
+                        "SCALES)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--max-minutes", type=float, default=None,
                    help="stop starting new runs after this long (default: the scale's)")
