@@ -58,6 +58,9 @@ def parse_args(description: str, scales: dict[str, dict[str, Any]],
                    help="stop starting new runs after this long (default: the scale's)")
     p.add_argument("--archs", nargs="+", choices=ARCH_CHOICES, default=list(ARCHITECTURES))
     p.add_argument("--out", type=Path, default=None, help="results folder")
+    p.add_argument("--router-lr-scale", type=float, default=None,
+                   help="the scorers' lr as a multiple of the lr (default: the trainer's); "
+                        "use a fresh --out, the run names do not say it")
     p.add_argument("--seeds", nargs="+", type=int, default=None,
                    help="seeds to train (default: the scale's)")
     p.add_argument("--no-prefill", action="store_true",
@@ -235,6 +238,8 @@ def run_grid(name: str, args: argparse.Namespace, base: TrainConfig, lrs: Sequen
                 bar.update(1)
                 continue
             run = base.replace(lr=lr, seed=seed, out_dir=str(out / "runs" / tag))
+            if args.router_lr_scale is not None:
+                run = run.replace(router_lr_scale=args.router_lr_scale)
             console = _console_log(out, tag) if args.jobs > 1 else None
             running[pool.submit(train_and_eval, run, arch, slices, eval_batches, device, done,
                                 console)] = tag
