@@ -49,11 +49,13 @@ def _base(device: str = "cpu") -> TrainConfig:
 
 
 def _grid(out: Path, jobs: int, archs: list[str] = ARCHS, lrs: tuple[float, ...] = (
-        GOOD_LR, DIVERGING_LR), device: str = "cpu") -> list[dict[str, Any]]:
+        GOOD_LR, DIVERGING_LR), device: str = "cpu",
+          router_lr_scale: float | None = None) -> list[dict[str, Any]]:
     base = _base(device)
     slices = [base, base.replace(seq_len=64, mqar_pairs=8)]
     args = argparse.Namespace(scale="test", device=device, max_minutes=10.0, archs=archs,
-                              out=out, jobs=jobs, no_prefill=False)
+                              out=out, jobs=jobs, no_prefill=False,
+                              router_lr_scale=router_lr_scale)
     return common.run_grid("mqar", args, base, lrs, (0,), slices, eval_batches=1)
 
 
@@ -107,6 +109,13 @@ def test_two_jobs_give_the_sequential_grid_and_resume(tmp_path: Path) -> None:
     assert again[0] == _json(kept)
     assert [(s["accuracy"], s["loss"]) for s in _json(redone)["slices"]] == \
         [(s["accuracy"], s["loss"]) for s in redone_report["slices"]]
+
+
+def test_router_lr_scale_reaches_every_run(tmp_path: Path) -> None:
+    _grid(tmp_path / "grid", jobs=1, archs=["natsl-all"], lrs=(GOOD_LR,), router_lr_scale=5.0)
+    saved = json.loads((tmp_path / "grid" / "runs" / "natsl-all-lr0.01-seed0" /
+                        "train_config.json").read_text())
+    assert saved["router_lr_scale"] == 5.0 and _base().router_lr_scale == 1.0
 
 
 def test_learning_rate_is_chosen_on_validation_not_test() -> None:
