@@ -7,6 +7,7 @@ keeping them in one place keeps the pictures consistent (same fonts, ticks, colo
 
 from __future__ import annotations
 
+import io
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
+
+from .atomic_write import atomic_write_bytes
 
 Color = tuple[int, int, int]
 GRID: Color = (235, 235, 235)
@@ -346,7 +349,9 @@ def histogram(edges: Sequence[float], counts: Sequence[int], *, xlabel: str, yla
 
 
 def save_png(img: Image.Image, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    img.save(path, format="PNG")
-    return path
+    """Write ``img`` as a PNG at ``path`` atomically: a reader (or a killed writer) never
+    leaves a half-written picture."""
+    buffer = io.BytesIO()
+    img.save(buffer, format="PNG")
+    atomic_write_bytes(path, buffer.getvalue())
+    return Path(path)

@@ -192,9 +192,9 @@ class DefineByRun:
         self.space.sample(trial, self.base)
 
 
-def _admits(dim: Dim | None, value: Any) -> bool:
-    """Whether ``dim`` can suggest ``value``."""
-    if dim is None or value is None:
+def _admits(dim: Dim, value: Any) -> bool:
+    """Whether ``dim`` can suggest ``value`` (``None``, no setting, it never can)."""
+    if value is None:
         return False
     if dim.choices is not None:
         return value in dim.choices

@@ -18,7 +18,6 @@ carried over.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 from collections.abc import Sequence
@@ -31,6 +30,7 @@ import torch
 from nats.atomic_write import atomic_write_bytes
 from nats.config import LAYER_LISTS, NatsConfig
 from nats.model import CONFIG_FILE, WEIGHTS_FILE, NatsForCausalLM
+from nats.plotting import save_png
 from nats.softmax_fraction import (
     ALL_LINEAR,
     ALL_SOFTMAX,
@@ -186,10 +186,7 @@ def _draw_routes(model: NatsForCausalLM, batch: Batch | torch.Tensor | None,
                             model.config.layer_types, model.config.chunk_size, ids.shape[1],
                             title=f"routes of the first evaluation sequence ({ids.shape[1]} "
                                   "tokens)")
-    buffer = io.BytesIO()
-    figure.save(buffer, format="PNG")
-    atomic_write_bytes(path, buffer.getvalue())
-    return path
+    return save_png(figure, path)
 
 
 def export_architecture(source: str | os.PathLike, out_dir: str | os.PathLike, *,

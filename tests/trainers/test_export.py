@@ -6,14 +6,17 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import save_file
 
 from nats import ConfigError, NatsConfig, NatsForCausalLM
 from nats.cli import main
 from nats.trainers import TrainConfig, build_batches, latest_checkpoint, train
 from nats.trainers.export import export_architecture, export_model
+from nats.trainers.routing_maps import routing_figure
 
 LAYERS = ("nats", "softmax", "nats")
 
@@ -95,11 +98,6 @@ def test_export_of_a_run_loads_with_the_same_logits(run: Path, tmp_path: Path) -
 
 def test_export_draws_the_routes_of_the_first_evaluation_sequence(run: Path,
                                                                   tmp_path: Path) -> None:
-    import numpy as np
-    from PIL import Image
-
-    from nats.trainers.routing_maps import routing_figure
-
     result = export_architecture(run, tmp_path / "out")
     assert result.routing_map == tmp_path / "out" / "routing_map.png"
     ids = _eval_batches(run)[0][0][:1]
