@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import multiprocessing
 import time
@@ -26,6 +27,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+import nats.trainers.loop as loop
+from nats import NatsConfig, NatsForCausalLM
 from nats.atomic_write import atomic_write_bytes
 from nats.evaluation import prefill_seconds, run_eval
 from nats.trainers import TrainConfig, resolve_device, train
@@ -37,11 +40,14 @@ PREFILL_LEN = 4096
 TEST_EVAL_SEED = 1001
 """Data stream of the test slices; runs are validated (and learning rates chosen) on their
 training config's ``eval_seed`` stream, a different one."""
-OFFICIAL = ":official"
-ARCH_CHOICES = (*ARCHITECTURES, *(f"{a}{OFFICIAL}" for a in ("natsl", "natsl-all")))
-"""Grid rows: an architecture (``nats train --arch``), or a NAtS-L one with ``:official``,
-its NAtS-L layers trained with the official layer's recipe (``NatsConfig.official_recipe``)
-instead of the defaults."""
+RECIPES = ("official", "softmax", "linear")
+ARCH_CHOICES = (*ARCHITECTURES,
+                *(f"{a}:{r}" for r in RECIPES for a in ("natsl", "natsl-all")))
+"""Grid rows: an architecture (``nats train --arch``), or a NAtS-L one with a recipe:
+``:official``, its NAtS-L layers trained with the official layer's recipe
+(``NatsConfig.official_recipe``) instead of the defaults; ``:softmax`` / ``:linear``, every
+route of its NAtS-L layers forced to that side in training and evaluation (what the layer
+does without its router)."""
 
 
 def parse_args(description: str, scales: dict[str, dict[str, Any]],
@@ -61,8 +67,17 @@ def parse_args(description: str, scales: dict[str, dict[str, Any]],
     p.add_argument("--router-lr-scale", type=float, default=None,
                    help="the scorers' lr as a multiple of the lr (default: the trainer's); "
                         "use a fresh --out, the run names do not say it")
+    p.add_argument("--set", dest="settings", nargs="+", type=_setting, default=[],
+                   metavar="FIELD=VALUE",
+                   help="a TrainConfig or NatsConfig field of every run, the value as JSON "
+                        "(budget_anneal=0.5, branch_norm=\"linear\"); use a fresh --out")
     p.add_argument("--seeds", nargs="+", type=int, default=None,
                    help="seeds to train (default: the scale's)")
+    p.add_argument("--lrs", nargs="+", type=float, default=None,
+                   help="learning rates to train (default: the scale's)")
+    p.add_argument("--steps", type=_positive_int, default=None,
+                   help="training steps of every run (default: the scale's); use a fresh "
+                        "--out, the run names do not say it")
     p.add_argument("--no-prefill", action="store_true",
                    help="do not time prefill after training (its column says 'not timed')")
     p.add_argument("--jobs", type=_positive_int, default=1,
@@ -70,11 +85,34 @@ def parse_args(description: str, scales: dict[str, dict[str, Any]],
                         "these tiny models leaves a GPU mostly idle)")
     args = p.parse_args()
     scale = scales[args.scale]
-    if args.seeds:
-        scale = {**scale, "seeds": tuple(args.seeds)}
+    overrides = {"seeds": args.seeds and tuple(args.seeds), "lrs": args.lrs and tuple(args.lrs),
+                 "steps": args.steps}
+    scale = {**scale, **{k: v for k, v in overrides.items() if v}}
     if args.max_minutes is None:
         args.max_minutes = scale["minutes"]
     return args, scale
+
+
+def _setting(text: str) -> tuple[str, Any]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"must be FIELD=VALUE, got {text!r}")
+    try:
+        return name, json.loads(value)
+    except json.JSONDecodeError:
+        return name, value  # a bare word: a string
+
+
+def with_settings(config: TrainConfig, settings: dict[str, Any]) -> TrainConfig:
+    """``config`` with each named field set on itself or, failing that, on its model."""
+    train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    model_fields = {f.name for f in dataclasses.fields(NatsConfig)}
+    unknown = set(settings) - train_fields - model_fields
+    if unknown:
+        raise ValueError(f"--set: {sorted(unknown)} are not TrainConfig or NatsConfig fields")
+    model = {k: v for k, v in settings.items() if k not in train_fields}
+    train_changes = {k: v for k, v in settings.items() if k in train_fields}
+    return config.replace(model=config.model.replace(**model), **train_changes)
 
 
 def _positive_int(text: str) -> int:
@@ -110,7 +148,7 @@ def train_and_eval(config: TrainConfig, arch: str, slices: Sequence[TrainConfig]
     trainer saves a checkpoint and returns) writes no report, so the next call resumes it
     instead of reading back a half-trained model.
     """
-    with _console_to(console):
+    with _console_to(console), routes_forced(arch.partition(":")[2]):
         config = with_row(config, arch).replace(device=str(device))
         started = time.monotonic()
         result = train(config, resume=True)
@@ -135,7 +173,28 @@ def with_row(config: TrainConfig, arch: str) -> TrainConfig:
     """``config`` with grid row ``arch``'s mixers (and recipe, see ``ARCH_CHOICES``)."""
     name, _, recipe = arch.partition(":")
     config = with_architecture(config, name)
-    return config.replace(model=config.model.official_recipe()) if recipe else config
+    return config.replace(model=config.model.official_recipe()) if recipe == "official" \
+        else config
+
+
+@contextlib.contextmanager
+def routes_forced(side: str) -> Iterator[None]:
+    """While open, the trainer forces every NAtS-L route to ``side`` (``"softmax"`` or
+    ``"linear"``; anything else forces nothing) before every step, so also in evaluation."""
+    if side not in ("softmax", "linear"):
+        yield
+        return
+    original = loop.set_exploration
+
+    def set_exploration(model: NatsForCausalLM, noise: float) -> None:
+        original(model, noise)
+        model.set_route_override(side)
+
+    loop.set_exploration = set_exploration
+    try:
+        yield
+    finally:
+        loop.set_exploration = original
 
 
 @contextlib.contextmanager
@@ -240,6 +299,7 @@ def run_grid(name: str, args: argparse.Namespace, base: TrainConfig, lrs: Sequen
             run = base.replace(lr=lr, seed=seed, out_dir=str(out / "runs" / tag))
             if args.router_lr_scale is not None:
                 run = run.replace(router_lr_scale=args.router_lr_scale)
+            run = with_settings(run, dict(args.settings))
             console = _console_log(out, tag) if args.jobs > 1 else None
             running[pool.submit(train_and_eval, run, arch, slices, eval_batches, device, done,
                                 console)] = tag

@@ -27,6 +27,10 @@ SAMPLERS = ("argmax", "gumbel")
 OUTPUT_GATES = ("silu", "none")
 """``silu``: the output is multiplied by ``SiLU(W_g x)`` (fla, the official NAtS-L layer);
 ``none``: no output gate (Zoology's MQAR recipe for Gated DeltaNet)."""
+BRANCH_NORMS = ("both", "linear", "none")
+"""Which branch outputs a NAtS-L layer RMS-normalises before merging them: ``both`` (the
+official layer), ``linear`` (only the linear branch, as Gated DeltaNet normalises its own
+output; the softmax output keeps its magnitude, as a transformer's does), ``none``."""
 SCORER_INITS = ("normal", "zero")
 """``normal``: the scorer's weight drawn like every other (the official layer); ``zero``:
 every chunk starts undecided, so no early content-blind preference is baked in."""
@@ -92,6 +96,7 @@ class NatsConfig:
     (then ``reg_lambda`` is the only price of softmax)."""
     budget_scope: str = "layer"
     output_gate: str = "none"
+    branch_norm: str = "both"
     mlp_ratio: float = 4.0
     norm_eps: float = 1e-6
     conv_size: int = 4
@@ -127,7 +132,7 @@ class NatsConfig:
             _fail("chunk_size", self.chunk_size, f"one of {CHUNK_SIZES}")
         for name, allowed in (("sampler", SAMPLERS), ("route_grad", ROUTE_GRADS),
                               ("scorer_init", SCORER_INITS), ("budget_scope", BUDGET_SCOPES),
-                              ("output_gate", OUTPUT_GATES)):
+                              ("output_gate", OUTPUT_GATES), ("branch_norm", BRANCH_NORMS)):
             if getattr(self, name) not in allowed:
                 _fail(name, getattr(self, name), f"one of {allowed}")
         target = self.softmax_target

@@ -58,6 +58,10 @@ class TrainConfig:
     route_explore: float = 0.0
     """Fraction of the steps over which routes explore: Gumbel noise on the routing logits,
     annealed from 1 to 0 (see :func:`trainers.route_control.exploration_noise`)."""
+    budget_anneal: float = 0.0
+    """Fraction of the steps over which the budget's target falls linearly from 1 (every
+    chunk on softmax) to ``model.softmax_target``: the softmax branch first learns on every
+    chunk, as a transformer's would, before the router must choose which chunks keep it."""
     budget_rate: float = 0.05
     """Step size of the controller that holds ``model.softmax_target`` (logit units per unit
     of fraction error per step)."""
@@ -124,7 +128,8 @@ class TrainConfig:
                 _fail(name, value, "a number > 0")
         if not isinstance(self.weight_decay, (int, float)) or not self.weight_decay >= 0:
             _fail("weight_decay", self.weight_decay, "a number >= 0")
-        for name in ("min_lr_ratio", "val_fraction", "reg_start", "route_explore"):
+        for name in ("min_lr_ratio", "val_fraction", "reg_start", "route_explore",
+                     "budget_anneal"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 <= value <= 1:
                 _fail(name, value, "a number in [0, 1]")

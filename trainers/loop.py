@@ -42,6 +42,7 @@ from .evaluation import evaluate, frac_scalars, labelled_token_count, route_frac
 from .optim import build_optimizer, lr_at, set_lr
 from .route_control import (
     budget_active,
+    budget_target,
     exploration_noise,
     route_bias_scalars,
     set_exploration,
@@ -348,7 +349,7 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
                 optimizer.step()
                 model.update_routing_statistics(world.sum)
                 if budget_active(step, config):
-                    update_budget(model, stats.routable_frac, config)
+                    update_budget(model, stats.routable_frac, budget_target(step, config), config)
                 step += 1
                 losses.append(stats.loss)
                 rate = tokens_per_step * (step - first_step) / (time.perf_counter() - started)

@@ -33,22 +33,32 @@ def budget_active(step: int, config: TrainConfig) -> bool:
     return step >= config.reg_start * config.steps
 
 
+def budget_target(step: int, config: TrainConfig) -> float | None:
+    """The softmax fraction the budget holds at ``step``: 1 at the start of
+    ``budget_anneal``, falling linearly to ``model.softmax_target`` at its end."""
+    target = config.model.softmax_target
+    end = config.budget_anneal * config.steps
+    if target is None or step >= end:
+        return target
+    return 1.0 - (1.0 - target) * step / end
+
+
 @torch.no_grad()
 def update_budget(model: NatsForCausalLM, routable_frac: list[torch.Tensor | None],
-                  config: TrainConfig) -> None:
+                  target: float | None, config: TrainConfig) -> None:
     """One step of the budget's controller: move each routing bias against the error of
     the softmax fraction this step measured (the layer's own, or the mean over layers for
     ``budget_scope="model"``). An integral controller: the bias settles where the measured
-    fraction equals ``softmax_target``, whatever the scorer's logits are."""
+    fraction equals ``target``, whatever the scorer's logits are."""
     cfg = model.config
-    if cfg.softmax_target is None:
+    if target is None:
         return
     fracs = [float(f) for f in routable_frac if f is not None]
     if not fracs or any(math.isnan(f) for f in fracs):
         return  # sequences of a single chunk have nothing to route
     errors = fracs if cfg.budget_scope == "layer" else [sum(fracs) / len(fracs)] * len(fracs)
     for layer, error in zip(model.nats_layers, errors, strict=True):
-        layer.budget.route_bias -= config.budget_rate * (error - cfg.softmax_target)
+        layer.budget.route_bias -= config.budget_rate * (error - target)
 
 
 def route_bias_scalars(model: NatsForCausalLM) -> dict[str, float]:

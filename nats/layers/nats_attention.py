@@ -108,13 +108,17 @@ class NatsAttention(nn.Module):
 
     def _merge(self, q: torch.Tensor, o_la: torch.Tensor, o_sm: torch.Tensor,
                x: torch.Tensor) -> torch.Tensor:
-        """``(w_LA RMSNorm(o_LA) + w_SM RMSNorm(o_SM)) * gamma * SiLU(W_g x)``, then ``W_o``."""
-        heads = self.cfg.n_heads * self.cfg.softmax_heads_per_head
+        """``(w_LA RMSNorm(o_LA) + w_SM RMSNorm(o_SM)) * gamma * SiLU(W_g x)``, then ``W_o``;
+        ``NatsConfig.branch_norm`` says which of the two RMSNorms apply."""
+        cfg = self.cfg
+        heads = cfg.n_heads * cfg.softmax_heads_per_head
         w = F.softmax(upcast(self.mix(q).view(*q.shape[:2], heads, 2)), -1)
         o_la = o_la.reshape(*o_sm.shape)
-        eps = self.cfg.norm_eps
-        y = w[..., :1] * upcast(rms_norm(o_la, eps)) + w[..., 1:] * upcast(rms_norm(o_sm, eps))
-        return self.out(y, x)
+        if cfg.branch_norm != "none":
+            o_la = rms_norm(o_la, cfg.norm_eps)
+        if cfg.branch_norm == "both":
+            o_sm = rms_norm(o_sm, cfg.norm_eps)
+        return self.out(w[..., :1] * upcast(o_la) + w[..., 1:] * upcast(o_sm), x)
 
     # -- parallel form ---------------------------------------------------------------------
 

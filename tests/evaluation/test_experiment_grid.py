@@ -50,12 +50,13 @@ def _base(device: str = "cpu") -> TrainConfig:
 
 def _grid(out: Path, jobs: int, archs: list[str] = ARCHS, lrs: tuple[float, ...] = (
         GOOD_LR, DIVERGING_LR), device: str = "cpu",
-          router_lr_scale: float | None = None) -> list[dict[str, Any]]:
+          router_lr_scale: float | None = None,
+          settings: tuple[tuple[str, Any], ...] = ()) -> list[dict[str, Any]]:
     base = _base(device)
     slices = [base, base.replace(seq_len=64, mqar_pairs=8)]
     args = argparse.Namespace(scale="test", device=device, max_minutes=10.0, archs=archs,
                               out=out, jobs=jobs, no_prefill=False,
-                              router_lr_scale=router_lr_scale)
+                              router_lr_scale=router_lr_scale, settings=list(settings))
     return common.run_grid("mqar", args, base, lrs, (0,), slices, eval_batches=1)
 
 
@@ -116,6 +117,27 @@ def test_router_lr_scale_reaches_every_run(tmp_path: Path) -> None:
     saved = json.loads((tmp_path / "grid" / "runs" / "natsl-all-lr0.01-seed0" /
                         "train_config.json").read_text())
     assert saved["router_lr_scale"] == 5.0 and _base().router_lr_scale == 1.0
+
+
+def test_settings_reach_every_run_and_forced_rows_route_one_side(tmp_path: Path) -> None:
+    reports = _grid(tmp_path / "grid", jobs=1, archs=["natsl-all:softmax", "natsl-all:linear"],
+                    lrs=(GOOD_LR,), settings=(("branch_norm", "linear"), ("budget_anneal", 0.5)))
+    for tag in ("natsl-all_softmax-lr0.01-seed0", "natsl-all_linear-lr0.01-seed0"):
+        saved = _json(tmp_path / "grid" / "runs" / tag / "train_config.json")
+        assert saved["budget_anneal"] == 0.5 and saved["model"]["branch_norm"] == "linear"
+    assert [r["slices"][0]["softmax_fraction"] for r in reports] == [1.0, 0.0]
+    with pytest.raises(ValueError, match="branch_nrom"):
+        common.with_settings(_base(), {"branch_nrom": "linear"})
+
+
+@pytest.mark.parametrize("text", ["lr", "=1", "steps=3"])
+def test_set_parses_field_equals_json(text: str) -> None:
+    if "=" not in text[1:]:
+        with pytest.raises(argparse.ArgumentTypeError):
+            common._setting(text)
+    else:
+        assert common._setting(text) == ("steps", 3)
+    assert common._setting("branch_norm=linear") == ("branch_norm", "linear")
 
 
 def test_learning_rate_is_chosen_on_validation_not_test() -> None:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from nats import ConfigError, NatsConfig, NatsForCausalLM
+from nats.layers.nats_attention import NatsAttention
 from nats.layers.routing import BudgetedScores, RunningMoments, sample_routes
 
 from .models import tiny_model
@@ -214,3 +215,29 @@ def test_old_dumps_load_with_the_official_recipe_and_partial_files_with_the_defa
     assert NatsConfig.from_dict(partial) == NatsConfig(**partial)
     mixed = {**old, "softmax_target": 0.5}  # any recipe key: a file of this version
     assert NatsConfig.from_dict(mixed) == NatsConfig().replace(softmax_target=0.5)
+    linear = NatsConfig(branch_norm="linear")
+    assert NatsConfig.from_dict(linear.to_dict()) == linear
+
+
+@pytest.mark.parametrize("branch_norm", ["both", "linear", "none"])
+def test_merge_normalises_the_branches_branch_norm_names(branch_norm: str) -> None:
+    """``_merge`` against the formula written out: RMS-normalise the named branches, weight
+    them by ``softmax(W_w q)``, then the output projection."""
+    torch.manual_seed(0)
+    cfg = NatsConfig(vocab_size=16, d_model=32, n_heads=2, softmax_heads_per_head=2,
+                     head_dim_k=16, head_dim_v=16, chunk_size=16, layer_types=("nats",),
+                     n_layers=1, branch_norm=branch_norm)
+    layer = NatsAttention(cfg).double()
+    x, q = torch.randn(2, 5, 32, dtype=torch.float64), torch.randn(2, 5, 32, dtype=torch.float64)
+    o_la = 3 * torch.randn(2, 5, 2, 16, dtype=torch.float64)
+    o_sm = 0.1 * torch.randn(2, 5, 4, 8, dtype=torch.float64)
+
+    def rms(t: torch.Tensor) -> torch.Tensor:
+        return t / (t.pow(2).mean(-1, keepdim=True) + cfg.norm_eps).sqrt()
+
+    la = o_la.reshape(2, 5, 4, 8)
+    la = la if branch_norm == "none" else rms(la)
+    sm = rms(o_sm) if branch_norm == "both" else o_sm
+    w = torch.softmax(layer.mix(q).view(2, 5, 4, 2), -1)
+    want = layer.out.out(((w[..., :1] * la + w[..., 1:] * sm) * layer.out.gamma).flatten(-2))
+    torch.testing.assert_close(layer._merge(q, o_la, o_sm, x), want)

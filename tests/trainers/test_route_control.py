@@ -7,11 +7,13 @@ import math
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from nats import NatsConfig, NatsForCausalLM
+from nats.trainers import train
 from nats.trainers.evaluation import RoutingPrecision, informative_chunks
 from nats.trainers.optim import build_optimizer, set_lr
-from nats.trainers.route_control import exploration_noise, update_budget
+from nats.trainers.route_control import budget_target, exploration_noise, update_budget
 
 from .conftest import MicroConfig
 
@@ -29,13 +31,36 @@ def test_budget_controller_moves_each_bias_against_its_error(micro: MicroConfig,
     config = micro(budget_rate=0.5)
     model = NatsForCausalLM(config.model.replace(softmax_target=0.25, budget_scope=scope))
     start = float(model.nats_layers[0].budget.route_bias)
-    update_budget(model, [torch.tensor(0.75), torch.tensor(0.25)], config)
+    update_budget(model, [torch.tensor(0.75), torch.tensor(0.25)], 0.25, config)
     moved = [float(layer.budget.route_bias) - start for layer in model.nats_layers]
     want = [-0.25, 0.0] if scope == "layer" else [-0.125, -0.125]
     assert moved == pytest.approx(want)
-    update_budget(model, [torch.tensor(math.nan), torch.tensor(0.5)], config)  # one chunk
+    update_budget(model, [torch.tensor(math.nan), torch.tensor(0.5)], 0.25, config)  # 1 chunk
     assert [float(layer.budget.route_bias) - start for layer in model.nats_layers] == \
         pytest.approx(want)
+
+
+def test_budget_target_anneals_from_all_softmax(micro: MicroConfig) -> None:
+    config = micro(steps=100, budget_anneal=0.4)
+    config = config.replace(model=config.model.replace(softmax_target=0.2))
+    assert [budget_target(s, config) for s in (0, 10, 20, 40, 99)] == pytest.approx(
+        [1.0, 0.8, 0.6, 0.2, 0.2])
+    assert budget_target(0, config.replace(budget_anneal=0.0)) == pytest.approx(0.2)
+    unbudgeted = config.replace(model=config.model.replace(softmax_target=None))
+    assert budget_target(0, unbudgeted) is None
+
+
+def test_budget_anneal_trains_all_softmax_then_lands_on_target(micro: MicroConfig) -> None:
+    """The controller follows the falling target: early steps route nearly every chunk to
+    softmax, the end of the run routes the target's share."""
+    config = micro(steps=120, budget_anneal=0.5, budget_rate=0.2, log_interval=1)
+    config = config.replace(model=config.model.replace(softmax_target=0.25))
+    train(config)
+    events = EventAccumulator(config.out_dir, size_guidance={"scalars": 0})
+    events.Reload()
+    fracs = {e.step: e.value for e in events.Scalars("train/route_frac")}
+    assert sum(fracs[s] for s in range(6, 21)) / 15 > 0.8  # target 0.94 .. 0.76
+    assert abs(sum(fracs[s] for s in range(91, 121)) / 30 - 0.25) < 0.08
 
 
 def test_scorers_get_their_own_rate_and_no_weight_decay(micro: MicroConfig) -> None:
