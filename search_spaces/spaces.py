@@ -13,6 +13,7 @@ A space is a mapping, checked on load (a bad key or value raises :class:`SpaceEr
       softmax_heads_per_head: [1, 2, 4]
       linear_op: [gated_deltanet, gated_linear_attention]   # the linear operator
       softmax_target: [0.125, 0.25, 0.5]  # NAtS-L layers' softmax budget
+      branch_norm: [both, linear]      # which branch outputs NAtS-L layers normalise
       reg_lambda: {low: 0.001, high: 0.3, log: true}  # a range: float, or int if both are
       lr: {low: 0.001, high: 0.01, log: true}
       d_model: 64                      # a single value: fixed for every trial
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nats.config import LAYER_TYPES, LINEAR_OPS, ConfigError
+from nats.config import BRANCH_NORMS, LAYER_TYPES, LINEAR_OPS, ConfigError
 from nats.kernels.reference.chunks import CHUNK_SIZES
 from nats.trainers import TrainConfig
 
@@ -42,7 +43,7 @@ class SpaceError(ValueError):
 
 
 MODEL_PARAMS = ("chunk_size", "n_layers", "d_model", "n_heads", "softmax_heads_per_head",
-                "linear_op", "reg_lambda", "softmax_target")
+                "linear_op", "reg_lambda", "softmax_target", "branch_norm")
 """``params`` keys that set a ``NatsConfig`` field."""
 TRAIN_PARAMS = ("lr", "weight_decay", "warmup_steps", "batch_size", "steps")
 """``params`` keys that set a ``TrainConfig`` field."""
@@ -54,11 +55,12 @@ INT_PARAMS = ("n_layers", "d_model", "n_heads", "softmax_heads_per_head", "warmu
               "batch_size", "steps")
 """Positive integers (``warmup_steps`` may be 0)."""
 FLOAT_PARAMS = ("reg_lambda", "lr", "weight_decay", "softmax_target")
-ROUTING_PARAMS = ("chunk_size", "reg_lambda", "softmax_target")
+ROUTING_PARAMS = ("chunk_size", "reg_lambda", "softmax_target", "branch_norm")
 """Keys that only NAtS-L layers read: a trial without one is not asked for them (Optuna
 would otherwise credit them with differences they cannot cause, and a trial differing
 only in them would train the same model again)."""
-CHOICE_PARAMS = {"chunk_size": ("chunk sizes", CHUNK_SIZES), "linear_op": ("operators", LINEAR_OPS)}
+CHOICE_PARAMS = {"chunk_size": ("chunk sizes", CHUNK_SIZES), "linear_op": ("operators", LINEAR_OPS),
+                 "branch_norm": ("branch norms", BRANCH_NORMS)}
 """Keys whose values come from a fixed set: a list of them, never a range."""
 
 

@@ -77,6 +77,18 @@ def test_linear_op_dimension_validates_and_samples_every_operator() -> None:
     assert "linear_op" in {d.name for d in load_space("full").dims}
 
 
+def test_branch_norm_is_a_routing_choice() -> None:
+    space = space_from_dict({"params": {"branch_norm": ["both", "linear"],
+                                        "layers": {"choices": ["nats", "gdn"]}, "n_layers": 2}})
+    got = space.sample(FixedTrial({"layer0": "nats", "layer1": "gdn", "branch_norm": "linear"}),
+                       BASE)
+    assert got.model.branch_norm == "linear"
+    plain = space.sample(FixedTrial({"layer0": "gdn", "layer1": "gdn"}), BASE)  # not asked
+    assert plain.model.branch_norm == BASE.model.branch_norm
+    with pytest.raises(SpaceError, match=r"branch_norm.*'both'"):
+        space_from_dict({"params": {"branch_norm": ["rms"]}})
+
+
 def test_define_by_run_asks_exactly_the_conditional_dimensions() -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     space = load_space("full")
