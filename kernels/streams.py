@@ -24,8 +24,7 @@ _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 def side_stream(device: torch.device) -> torch.cuda.Stream:
     """The one side stream of ``device`` (made on first use).
 
-    At normal priority: a high-priority one was not faster overall (it gained in some
-    cells and lost up to 4 % in others on an H100, docs/BENCHMARKS.md).
+    At normal priority: a high-priority one was not faster overall (docs/BENCHMARKS.md).
     """
     index = torch.cuda.current_device() if device.index is None else device.index
     if index not in _SIDE_STREAMS:

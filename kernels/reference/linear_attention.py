@@ -41,8 +41,7 @@ def normalised_linear_attention(gla: GatedLinearAttention, q: torch.Tensor, k: t
 
     ``width_multiple``: the values ``[v, 1]`` (and the state) are zero-padded to a multiple
     of it inside, which changes nothing but speed: the Triton kernels load rows of 129
-    columns unaligned; padded to 192 they ran 3.66 / 12.2 ms forward / forward+backward
-    against 4.45 / 14.9 (H200, bf16, 65,536 tokens, 16 heads of 128), so they get 64.
+    columns unaligned, so they get 64 (timings: docs/LINEAR_OPS.md).
     """
     d_v = v.shape[-1]
     if initial_state is not None and initial_state.shape[-1] != d_v + 1:

@@ -35,9 +35,8 @@ SAVE_STATES = True
 """Keep ``w``, ``h`` and ``v_new`` from the forward for the backward (this module and
 :mod:`.gated_linear_attention`, which keeps ``h``). They cost ``(2 Dk + Dv + 2 Dk Dv / BT)``
 values per token and head, four times ``q`` at ``Dk = Dv = 128``, ``BT = 64``; recomputing
-them costs the backward two launches (``w, u`` and the serial state kernel), about 1.3 ms
-of 8 at ``B*T = 65,536``, 16 heads of 128 on an H100 (docs/BENCHMARKS.md). Set it False
-to trade that time for the memory, as fla does."""
+them costs the backward two launches (``w, u`` and the serial state kernel; their share of
+the time: docs/BENCHMARKS.md). Set it False to trade that time for the memory, as fla does."""
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HEAD_DIMS = (16, 32, 64, 128)

@@ -37,7 +37,7 @@ from .utils import empty, is_power_of_two
 FUSE_DV_LOCAL = False
 """With one kernel chunk per routing chunk, form ``M^T do`` inside :func:`state_bwd` (off
 its serial dependency chain) instead of in a separate launch through device memory. Off:
-measured 1 ms slower forward+backward on an H200 (state_bwd is latency-bound)."""
+it measured slower (state_bwd is latency-bound, and the fused form lengthens its chain)."""
 
 HALF_GRADS = True
 """Keep the backward's intermediates (``M^T do``, ``d v_new``, partial ``dk``, ``dw``) in
@@ -45,12 +45,11 @@ the inputs' dtype rather than float32: they only feed half-precision products or
 
 DQKWG_BLOCK_K = 64
 """Key columns per :func:`dqkwg` program (``K`` is split over programs above this): three
-``[BT, K]`` float32 accumulators of K = 128 spilled registers at 4 warps; 2 x 64 did not,
-and measured 1.65 against 2.85 ms on an H200 (B*T = 65,536, H = 16, unpipelined)."""
+``[BT, K]`` float32 accumulators of K = 128 spilled registers at 4 warps; 2 x 64 do not."""
 
 WY_BWD_BLOCK_K = 64
-"""Key columns per pass of :func:`wy_bwd`'s two loops over ``K`` (1.30 against 2.02 ms with
-one pass of 128 on an H200, same shape)."""
+"""Key columns per pass of :func:`wy_bwd`'s two loops over ``K``: one pass of 128 spills
+registers, as in :data:`DQKWG_BLOCK_K`."""
 
 
 def grad_dtype(dtype: torch.dtype) -> torch.dtype:

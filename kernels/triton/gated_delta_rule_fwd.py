@@ -47,9 +47,8 @@ def _configs(block_v: tuple[int, ...] = (0,), warps: tuple[int, ...] = (2, 4),
 
 
 def seq_configs(stages: int) -> list[triton.Config]:
-    """The sequential kernels: one config each, the fastest that an H200 with Triton 3.6
-    measured (BV 32, 4 warps; 3 stages forward, 2 backward; BV 16 and 64, 8 warps and other
-    stage counts were slower at T = 8k and 32k) and whose results repeat run to run."""
+    """The sequential kernels: one config each, the fastest measured with Triton 3.6 (BV 32,
+    4 warps; 3 stages forward, 2 backward) among those whose results repeat run to run."""
     return autotune_configs([triton.Config({"BV": 32}, num_warps=4, num_stages=stages)],
                             triton.Config({"BV": 32}, num_warps=4))
 

@@ -38,8 +38,8 @@ def _descriptor(x: torch.Tensor) -> TensorDescriptor:
     one head, as many as the launch config gives it (:func:`_set_block_rows`).
 
     Built on the host, it reaches the kernel as a launch parameter: descriptors built on
-    the device cost every program a global write and a fence, 15 % of the forward pass
-    when tiles see only their own chunk (H100).
+    the device cost every program a global write and a fence, which dominates when tiles
+    see only their own chunk.
     """
     return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, x.shape[-1]])
 
@@ -61,7 +61,8 @@ def _configs(pairs: list[tuple[int, int, int, int]]) -> list[triton.Config]:
     )
 
 
-# On an H100 (T 8k-32k, 25-100 % softmax) 4 warps won every kernel; 8 warps took 1.5-3x.
+# 4 warps won every kernel in the measured range (docs/BENCHMARKS.md); 8 warps only serve
+# the 128 x 128 tile.
 _FWD_CONFIGS = _configs([(64, 64, 4, 3), (128, 64, 4, 3), (64, 64, 4, 4), (128, 128, 8, 2)])
 _BWD_CONFIGS = _configs([(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 2), (128, 128, 8, 2)])
 # Not the pipelined 64-query tiles: compiled by Triton 3.6 for Hopper, their dk changed
@@ -131,7 +132,7 @@ def _selected_kv(k_desc, v_desc, k_ptr, v_ptr, sel, n0, n_keys, first_chunk, bos
 
     ``sel`` points at the sequence's first entry of the compact chunk list, ``n_keys`` is
     the number of keys listed. A block inside one chunk is one scalar lookup and two TMA
-    loads (10-13 % faster than gathering rows on an H100); a block wider than a chunk
+    loads (cheaper than gathering its rows); a block wider than a chunk
     gathers its rows chunk by chunk.
     """
     if BLOCK_N <= C:
@@ -244,7 +245,7 @@ def _bwd_kv_block(k, v, dk, dv, dz, q_desc, do_desc, hq, q0, lse_ptr, delta_ptr,
 
     Scores are laid out queries by keys, as in the forward pass, and ``dz`` collects the
     score gradients elementwise, summed over queries once after the loop: keys along rows
-    with a per-step row sum ran 25 % slower on an H100 (330 against 420 TFLOP/s).
+    would need a row sum every step, which measured slower.
     """
     q = _load_block(q_desc, q0, hq, BLOCK_M, DK)
     do = _load_block(do_desc, q0, hq, BLOCK_M, DV)
