@@ -6,24 +6,84 @@ Bad input ends with one ``nats: error: ...`` line on stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
+import inspect
+import itertools
 import json
+import re
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 
-from nats import NatsForCausalLM
+from nats import NatsConfig, NatsForCausalLM
 
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
-_OVERRIDES = ("task", "steps", "batch_size", "seq_len", "lr", "warmup_steps", "reg_start", "seed",
-              "device", "out_dir", "grad_accum_steps", "precision", "compile", "init_from",
-              "eval_interval", "eval_batches", "log_interval", "checkpoint_interval",
-              "keep_checkpoints", "mqar_pairs", "data_paths", "data_format", "text_field",
-              "tokenizer", "streaming", "eval_seed", "mqar_placement", "mqar_filler",
-              "mqar_queries", "mqar_pairs_mix", "needle_distractors", "needle_haystack")
-"""``TrainConfig`` fields that ``nats train`` options override (same names as ``dest``)."""
+_BY_HAND = ("model", "out_dir", "data_paths")
+"""``TrainConfig`` fields whose ``nats train`` options are written by hand (``--out``,
+``--data``; the model's fields get options of their own). Every other field of
+``TrainConfig`` and ``NatsConfig`` becomes ``--field-name`` (:func:`_add_config_options`)."""
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Each dataclass field's docstring (the string literal after it), read from the source,
+    with a named tuple constant of the class's module (``TASKS``) spelled out."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    module = vars(sys.modules[cls.__module__])
+
+    def spell(match: re.Match[str]) -> str:
+        value = module.get(match.group(1))
+        return ", ".join(map(str, value)) if isinstance(value, tuple) else match.group(0)
+
+    return {a.target.id: re.sub(r"\b([A-Z][A-Z_]{2,})\b", spell, b.value.value)
+            for a, b in itertools.pairwise(body)
+            if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)
+            and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)
+            and isinstance(b.value.value, str)}
+
+
+_NONE = object()
+"""What an optional field's option parses ``none`` to (None means "not given")."""
+
+
+def _optional(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        return _NONE if text.lower() == "none" else kind(text)
+    parse.__name__ = kind.__name__  # argparse names the type in its errors
+    return parse
+
+
+def _add_config_options(group: Any, cls: type, skip: Sequence[str] = ()) -> list[str]:
+    """One option per field of dataclass ``cls``, typed by its annotation, its help the
+    first sentence of its docstring; returns the fields (the options' ``dest``). Every
+    default is None: only what the user gives overrides the preset."""
+    kinds = {"int": int, "float": float, "str": str}
+    docs = _field_docs(cls)
+    names = []
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        annotation = str(f.type).replace(" ", "")
+        doc = re.sub(r":\w+:`~?([^`]+)`", r"\1", docs.get(f.name, "")).replace("``", "")
+        doc = " ".join(doc.split())
+        doc = doc.split(". ")[0].rstrip(".").replace("%", "%%")
+        flag = "--" + f.name.replace("_", "-")
+        if annotation == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, help=doc)
+        elif annotation.startswith("tuple["):
+            kind = kinds[annotation[len("tuple["):].split(",")[0]]
+            group.add_argument(flag, type=kind, nargs="+", metavar=f.name.upper(), help=doc)
+        elif annotation.endswith("|None"):
+            group.add_argument(flag, type=_optional(kinds[annotation[:-len("|None")]]),
+                               metavar=f.name.upper(), help=f"{doc} ('none': unset)")
+        else:
+            group.add_argument(flag, type=kinds[annotation], metavar=f.name.upper(), help=doc)
+        names.append(f.name)
+    return names
 
 
 class _Parser(argparse.ArgumentParser):
@@ -35,20 +95,19 @@ class _Parser(argparse.ArgumentParser):
 
 def _train(args: argparse.Namespace) -> int:
     from nats.trainers import run_config, train
-    from nats.trainers.config import TUPLE_FIELDS
 
-    overrides: dict[str, Any] = {name: getattr(args, name) for name in _OVERRIDES
-                                 if getattr(args, name) is not None}
-    for name in TUPLE_FIELDS:
-        if name in overrides:
-            overrides[name] = tuple(overrides[name])
-    config = run_config(args.preset, overrides, resume=args.resume, config_path=args.config)
+    def given(names: Sequence[str]) -> dict[str, Any]:
+        values = {name: getattr(args, name) for name in names}
+        return {name: None if value is _NONE else tuple(value) if isinstance(value, list)
+                else value for name, value in values.items() if value is not None}
+
+    config = run_config(args.preset, given(args.train_fields), resume=args.resume,
+                        config_path=args.config)
     if args.arch is not None:
         from nats.trainers.config import with_architecture
 
         config = with_architecture(config, args.arch, args.softmax_every)
-    if args.reg_lambda is not None:
-        config = config.replace(model=config.model.replace(reg_lambda=args.reg_lambda))
+    config = config.replace(model=config.model.replace(**given(args.model_fields)))
     result = train(config, resume=args.resume)
     if result.interrupted:
         print(f"nats: interrupted at step {result.step}; continue with: "
@@ -191,8 +250,8 @@ def _analyze(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from nats.kernels.bench import BenchShape
-    from nats.trainers import PRESETS, TASKS, MQARTask, NeedleTask
-    from nats.trainers.config import ARCHITECTURES, DATA_FORMATS, PRECISIONS
+    from nats.trainers import PRESETS, TrainConfig
+    from nats.trainers.config import ARCHITECTURES
 
     parser = _Parser(prog="nats", description="NAtS-L: token-level hybrid attention search.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -203,60 +262,23 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", metavar="JSON",
                        help="a model's config.json (replaces the preset's model) or a run's "
                             "train_config.json (replaces the whole preset)")
-    train.add_argument("--init-from", metavar="DIR",
-                       help="start from the weights of a saved or exported model")
-    train.add_argument("--task", choices=TASKS)
-    train.add_argument("--steps", type=int)
-    train.add_argument("--batch-size", type=int, help="global batch, over processes and "
-                                                      "accumulation steps")
-    train.add_argument("--grad-accum-steps", type=int)
-    train.add_argument("--seq-len", type=int)
-    train.add_argument("--lr", type=float)
-    train.add_argument("--warmup-steps", type=int)
-    train.add_argument("--reg-start", type=float, metavar="FRACTION",
-                       help="fraction of the steps before the routing cost term applies")
-    train.add_argument("--seed", type=int)
-    train.add_argument("--device", help="auto, cpu, cuda or cuda:N")
-    train.add_argument("--precision", choices=PRECISIONS,
-                       help="auto: bf16 autocast on GPUs that have it, else fp32")
-    train.add_argument("--compile", action="store_true", default=None,
-                       help="torch.compile the model")
-    train.add_argument("--eval-interval", type=int)
-    train.add_argument("--eval-batches", type=int)
-    train.add_argument("--log-interval", type=int)
-    train.add_argument("--checkpoint-interval", type=int)
-    train.add_argument("--keep-checkpoints", type=int)
-    train.add_argument("--mqar-pairs", type=int, help="key-value pairs of task 'mqar'")
-    train.add_argument("--mqar-placement", choices=MQARTask.PLACEMENTS)
-    train.add_argument("--mqar-filler", choices=MQARTask.FILLERS)
-    train.add_argument("--mqar-queries", choices=MQARTask.QUERIES)
-    train.add_argument("--mqar-pairs-mix", type=int, nargs="+", metavar="PAIRS",
-                       help="train on batches of these pair counts, one drawn per batch "
-                            "(e.g. 4 8 16 32 64); evaluation keeps --mqar-pairs")
-    train.add_argument("--needle-distractors", type=int)
-    train.add_argument("--needle-haystack", choices=NeedleTask.HAYSTACKS)
     train.add_argument("--arch", choices=ARCHITECTURES,
                        help="replace the preset's mixers by a baseline's (same width, depth)")
     train.add_argument("--softmax-every", type=int, default=2, metavar="K",
                        help="layer-hybrid / natsl: softmax (NAtS-L) in every K-th layer")
-    train.add_argument("--reg-lambda", type=float, metavar="LAMBDA",
-                       help="weight of the routing cost term (NAtS-L layers; default: the "
-                            "preset's, 0 for the built-in ones)")
     train.add_argument("--out", dest="out_dir", help="run folder: logs, checkpoints, model/")
     train.add_argument("--data", dest="data_paths", nargs="+", metavar="PATH",
                        help="files, folders or a save_to_disk folder for task 'text' "
                             "(default: the Python stdlib)")
-    train.add_argument("--data-format", choices=DATA_FORMATS,
-                       help="how --data is read (default: auto, by extension)")
-    train.add_argument("--text-field", help="text column of JSON/Parquet records (default: text)")
-    train.add_argument("--tokenizer", metavar="DIR",
-                       help="folder with a tokenizer.json (default: UTF-8 bytes)")
-    train.add_argument("--streaming", action="store_true", default=None,
-                       help="read the corpus in order instead of loading it into memory")
-    train.add_argument("--eval-seed", type=int, help="seed of the evaluation stream")
     train.add_argument("--resume", action="store_true",
                        help="continue from the newest checkpoint in the run folder")
-    train.set_defaults(func=_train)
+    train_fields = _add_config_options(
+        train.add_argument_group("training (TrainConfig; default: the preset's)"), TrainConfig,
+        skip=_BY_HAND)
+    model_fields = _add_config_options(
+        train.add_argument_group("model (NatsConfig; default: the preset's)"), NatsConfig)
+    train.set_defaults(func=_train, train_fields=[*train_fields, "out_dir", "data_paths"],
+                       model_fields=model_fields)
 
     gen = sub.add_parser("generate", help="continue a prompt with a saved model")
     gen.add_argument("model_dir", metavar="SOURCE",

@@ -59,17 +59,29 @@ class NatsConfig:
     """
 
     vocab_size: int = 256
+    """Tokens of the embedding and the output head."""
     d_model: int = 128
+    """Width of the residual stream."""
     n_layers: int = 2
+    """Layers (``layer_types`` has one entry per layer)."""
     n_heads: int = 2
+    """Routing heads per NAtS-L layer: each owns one linear head."""
     softmax_heads_per_head: int = 2
+    """Softmax heads per routing head; they split its channels."""
     head_dim_k: int = 64
+    """Key (and query) width of a linear head."""
     head_dim_v: int = 64
+    """Value width of a linear head."""
     chunk_size: int = 32
+    """Tokens per routing chunk (``CHUNK_SIZES``)."""
     layer_types: tuple[str, ...] = ("nats", "nats")
+    """Each layer's mixer: ``nats``, ``gdn`` (linear, ``linear_op``) or ``softmax``."""
     sampler: str = "argmax"
+    """How logits become routes in training: ``argmax`` or hard ``gumbel``."""
     gumbel_tau: float = 1.0
+    """Temperature of the ``gumbel`` sampler."""
     reg_lambda: float = 0.0
+    """Weight of the routing cost term (the softmax share) in the loss."""
     route_grad: str = "both"
     """Route gradient of the straight-through estimator: ``both`` (each chunk compares the
     two options, so a chunk sent to linear can learn that softmax would have helped; the
@@ -81,6 +93,7 @@ class NatsConfig:
     chunks before the scorer, so its logits compare chunks rather than move with what they
     all share (see ``ChunkScorer``)."""
     scorer_init: str = "zero"
+    """``zero``: every chunk starts undecided; ``normal``: drawn like every weight."""
     scorer_detach: bool = True
     """The scorer reads the layer's input without sending gradients back into it: the route
     gradient trains the scorer alone. Sent back (the official layer's way), the
@@ -95,17 +108,34 @@ class NatsConfig:
     scorer only ranks chunks (``BudgetedScores``). ``None``: no budget, routes are free
     (then ``reg_lambda`` is the only price of softmax)."""
     budget_scope: str = "layer"
+    """What ``softmax_target`` holds: each NAtS-L layer's share (``layer``) or their mean
+    (``model``)."""
     output_gate: str = "none"
+    """``none`` or ``silu`` (the output multiplied by ``SiLU(W_g x)``, as fla and the
+    official layer)."""
     branch_norm: str = "both"
+    """Which branch outputs the merge RMS-normalises: ``both`` (the official layer),
+    ``linear`` or ``none`` (``BRANCH_NORMS``)."""
     mlp_ratio: float = 4.0
+    """Hidden width of the MLP as a multiple of ``d_model``."""
     norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
     conv_size: int = 4
+    """Kernel of the causal short convolution on q, k and v."""
     rope: bool = False
+    """Rotary embedding on the softmax heads' q and k."""
     rope_theta: float = 10000.0
+    """Base of the rotary embedding."""
     tie_embeddings: bool = True
+    """The output head shares the embedding's weight."""
     initializer_range: float = 0.02
+    """Standard deviation of the initial weights."""
     backend: str = "auto"
+    """Operator implementation: ``auto`` (Triton on CUDA, else the PyTorch reference),
+    ``triton`` or ``reference``."""
     linear_op: str = "gated_deltanet"
+    """The linear-attention operator of NAtS-L linear branches and ``gdn`` layers
+    (``LINEAR_OPS``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.layer_types, (list, tuple)):

@@ -43,14 +43,23 @@ class TrainConfig:
 
     model: NatsConfig
     task: str = "copy"
+    """What to learn: a synthetic task or ``text`` (``TASKS``)."""
     steps: int = 1000
+    """Optimizer steps of the whole run (a resumed run counts from its start)."""
     batch_size: int = 16
+    """Sequences per optimizer step: the global batch, over processes and accumulation steps."""
     seq_len: int = 128
+    """Training sequence length in tokens."""
     lr: float = 3e-3
+    """Peak learning rate (AdamW), after a linear warm-up, then cosine decay."""
     min_lr_ratio: float = 0.1
+    """The cosine decay ends at this fraction of ``lr``."""
     warmup_steps: int = 50
+    """Steps of the linear learning-rate warm-up."""
     weight_decay: float = 0.1
+    """AdamW weight decay of matrices (norm gains, biases and the scorers take none)."""
     grad_clip: float = 1.0
+    """Clip the global gradient norm to this."""
     reg_start: float = 0.0
     """Fraction of the steps trained before the routing cost term (``reg_lambda``) applies:
     until then the scorers learn from the task alone, so the cost cannot push every chunk
@@ -68,22 +77,37 @@ class TrainConfig:
     router_lr_scale: float = 1.0
     """The scorers' learning rate as a multiple of ``lr`` (they never take weight decay)."""
     grad_accum_steps: int = 1
+    """Micro-batches per optimizer step (they split ``batch_size``)."""
     precision: str = "auto"
+    """``auto`` (bf16 autocast on GPUs that have it, else fp32), ``bf16`` or ``fp32``."""
     compile: bool = False
+    """``torch.compile`` the model."""
     init_from: str | None = None
     """A saved model folder (``save_pretrained``/``nats export``) whose weights start the run."""
     eval_interval: int = 100
+    """Steps between evaluations."""
     eval_batches: int = 2
+    """Batches of each evaluation."""
     log_interval: int = 10
+    """Steps between TensorBoard scalars and console lines."""
     checkpoint_interval: int = 500
+    """Steps between checkpoints."""
     keep_checkpoints: int = 2
+    """Newest checkpoints kept in the run folder."""
     seed: int = 0
+    """Seed of the weights and the training stream."""
     device: str = "auto"
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
     out_dir: str = "runs/default"
+    """The run folder: config, logs, checkpoints and ``model/``."""
     copy_symbols: int = 16
+    """Symbols to copy in task ``copy``."""
     mqar_pairs: int = 8
+    """Key-value pairs of task ``mqar`` (and of its evaluation)."""
     mqar_placement: str = "start"
+    """Where MQAR's pairs sit (:class:`MQARTask`)."""
     mqar_filler: str = "random"
+    """What fills MQAR's sequences between pairs and queries (:class:`MQARTask`)."""
     mqar_queries: str = "power-law"
     """MQAR layout knobs (see :class:`MQARTask`); the defaults are Zoology's layout."""
     mqar_pairs_mix: tuple[int, ...] = ()
@@ -91,15 +115,21 @@ class TrainConfig:
     mixture of difficulties, e.g. ``(4, 8, 16, 32, 64)``); the layout knobs and ``seq_len``
     stay. Empty: every batch has ``mqar_pairs``. Evaluation always uses ``mqar_pairs``."""
     needle_key_len: int = 3
+    """Tokens of a needle's key."""
     needle_distractors: int = 0
+    """Distractor needles of task ``needle`` (:class:`NeedleTask`)."""
     needle_haystack: str = "random"
     """Needle knobs (see :class:`NeedleTask`): distractor needles and the haystack."""
     eval_seed: int = 1
     """Seed of the evaluation stream (training uses ``seed``)."""
     data_paths: tuple[str, ...] = field(default_factory=tuple)
+    """Files, folders or a ``save_to_disk`` folder for task ``text`` (empty: the Python stdlib)."""
     data_glob: str = "**/*"
+    """Which files of a ``data_paths`` folder are read."""
     val_fraction: float = 0.05
+    """Share of the text held out for evaluation."""
     data_format: str = "auto"
+    """How ``data_paths`` are read (``DATA_FORMATS``; ``auto``: by extension)."""
     text_field: str = "text"
     """The text column of JSON / Parquet / saved-dataset records."""
     tokenizer: str | None = None

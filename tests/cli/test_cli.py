@@ -249,3 +249,46 @@ def test_mqar_pairs_mix_reaches_the_run_config(tmp_path: Path, capsys) -> None:
     assert capsys.readouterr().err.endswith(
         "nats: error: TrainConfig.mqar_pairs_mix = (4, 9) is invalid: must be pair counts in "
         "1 .. seq_len // 4 = 8 (seq_len >= 4 * pairs)\n")
+
+
+def test_every_config_field_is_an_option_with_its_docstring_as_help() -> None:
+    """A new field of ``TrainConfig`` or ``NatsConfig`` gets its ``nats train`` option and
+    help for free: the field needs only a docstring (which this test demands)."""
+    import dataclasses
+
+    from nats import NatsConfig
+    from nats.cli import _BY_HAND, _field_docs, build_parser
+    from nats.trainers import TrainConfig
+
+    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    options = {a.dest: a for a in train._actions}
+    for cls in (TrainConfig, NatsConfig):
+        docs = _field_docs(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in _BY_HAND:
+                continue
+            assert f.name in docs, f"{cls.__name__}.{f.name} has no docstring"
+            assert options[f.name].option_strings == ["--" + f.name.replace("_", "-")] or \
+                f.name in ("compile", "streaming", "rope", "scorer_norm", "scorer_detach",
+                           "tie_embeddings")
+            assert options[f.name].help.split()[0] == docs[f.name].replace("``", "").split()[0]
+    assert "copy, mqar, needle, text" in options["task"].help  # TASKS spelled out
+
+
+def test_model_and_training_fields_reach_the_run_config(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    assert main(["train", "--preset", "mqar-tiny", "--arch", "natsl-all", "--branch-norm",
+                 "linear", "--router-lr-scale", "5", "--no-scorer-detach", "--softmax-target",
+                 "none", "--budget-anneal", "0.5", "--steps", "2", "--eval-interval", "2",
+                 "--device", "cpu", "--out", str(out)]) == 0
+    saved = json.loads((out / "train_config.json").read_text())
+    assert (saved["router_lr_scale"], saved["budget_anneal"]) == (5.0, 0.5)
+    model = saved["model"]
+    assert (model["branch_norm"], model["scorer_detach"], model["softmax_target"]) == \
+        ("linear", False, None)
+    assert model["layer_types"] == ["nats", "nats"]  # --arch, then the model's fields
+    capsys.readouterr()
+    assert _status(["train", "--branch-norm", "rms", "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nats: error: NatsConfig.branch_norm = 'rms' is invalid") and \
+        err.count("\n") == 1
