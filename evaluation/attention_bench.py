@@ -16,6 +16,7 @@ method that runs out of memory is recorded as such and not tried at longer lengt
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from nats.config import LINEAR_OPS
+from nats.kernels.linear_ops import LINEAR_OP_SPECS
 from nats.layers.linear_ops import LinearOperator, TokenGates
 
 SOFTMAX_METHODS = ("softmax_naive", "softmax_sdpa")
@@ -74,9 +76,10 @@ class AttentionBenchConfig:
                 raise ValueError(f"{name} = {list(values)} must be positive integers")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype = {self.dtype!r} must be one of {tuple(DTYPES)}")
-        bad = [op for op in self.ops if op not in LINEAR_OPS]
+        bad = [op for op in self.ops if op not in LINEAR_OP_SPECS]
         if bad or not self.ops:
-            raise ValueError(f"ops = {list(self.ops)} must be operators from {LINEAR_OPS}")
+            raise ValueError(f"ops = {list(self.ops)} must be operators from "
+                             f"{tuple(LINEAR_OP_SPECS)}")
 
 
 def default_config(device: str, **changes) -> AttentionBenchConfig:
@@ -195,8 +198,8 @@ class _Inputs:
     def linear(self, op: LinearOperator) -> tuple[torch.Tensor, ...]:
         """q, k, v as ``op`` takes them, and its gates (g zero without a decay gate)."""
         q, k, v = op.features(*(t.flatten(2) for t in (self.q, self.k, self.v)))
-        g = self.g if op.decays else torch.zeros_like(self.g)
-        return q, k, v, TokenGates(g, self.beta if op.delta else None)
+        g = self.g if op.spec.decays else torch.zeros_like(self.g)
+        return q, k, v, TokenGates(g, self.beta if op.spec.delta else None)
 
 
 def operator(cfg: AttentionBenchConfig, name: str) -> LinearOperator:
@@ -365,7 +368,7 @@ def plot_result(result: AttentionBenchResult, path: Path) -> Path:
     )
 
     # One colour per softmax method and per operator, the same in every panel.
-    colors = dict(zip((*SOFTMAX_METHODS, *LINEAR_OPS), PALETTE, strict=True))
+    colors = dict(zip((*SOFTMAX_METHODS, *result.config.ops), itertools.cycle(PALETTE)))
 
     def series(rows: list[Timing], value: Callable[[Timing], float | None]) -> list[Series]:
         out = []

@@ -12,17 +12,15 @@ import math
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from nats.kernels.linear_ops import LINEAR_OP_SPECS
 from nats.kernels.reference.chunks import CHUNK_SIZES, ROUTE_GRADS
 
 LAYER_TYPES = ("nats", "gdn", "softmax")
 """A "gdn" layer is the plain linear layer; its operator is ``linear_op`` (the type keeps
 the name it had when Gated DeltaNet was the only one, so saved configs still load)."""
-LINEAR_OPS = ("gated_deltanet", "deltanet", "gated_linear_attention", "linear_attention")
-LINEAR_OP_NAMES = {"gated_deltanet": "Gated DeltaNet", "deltanet": "DeltaNet",
-                   "gated_linear_attention": "gated linear attention",
-                   "linear_attention": "linear attention (ELU+1)"}
-"""How documents name each ``linear_op``."""
-"""Operators of the linear branch of NAtS-L layers and of plain linear layers."""
+LINEAR_OPS = tuple(LINEAR_OP_SPECS)
+"""The built-in operators of the linear branch of NAtS-L layers and of plain linear layers;
+``linear_op`` accepts any registered one (``nats.kernels.linear_ops``)."""
 SAMPLERS = ("argmax", "gumbel")
 OUTPUT_GATES = ("silu", "none")
 """``silu``: the output is multiplied by ``SiLU(W_g x)`` (fla, the official NAtS-L layer);
@@ -169,8 +167,8 @@ class NatsConfig:
         if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
                                    or not 0 < target < 1):
             _fail("softmax_target", target, "null (no budget) or a number in (0, 1)")
-        if self.linear_op not in LINEAR_OPS:
-            _fail("linear_op", self.linear_op, f"one of {LINEAR_OPS}")
+        if self.linear_op not in LINEAR_OP_SPECS:
+            _fail("linear_op", self.linear_op, f"one of {tuple(LINEAR_OP_SPECS)}")
         from nats.kernels.ops import BACKENDS
 
         if self.backend not in BACKENDS:
@@ -206,7 +204,7 @@ class NatsConfig:
     @property
     def linear_op_name(self) -> str:
         """The linear operator as a reader knows it, e.g. "Gated DeltaNet"."""
-        return LINEAR_OP_NAMES[self.linear_op]
+        return LINEAR_OP_SPECS[self.linear_op].title
 
     def layers_of(self, kind: str) -> tuple[int, ...]:
         """Indices of the layers of type ``kind`` ("nats", "gdn" or "softmax")."""

@@ -42,7 +42,8 @@ DeltaNet shown, state ``dk x dv``)::
                                                            -------
                                                            7 dk dv
 
-The other operators drop steps (``LINEAR_FLOPS_PER_STATE_ENTRY``): DeltaNet has no
+The other operators drop steps (each spec's ``flops_per_state_entry``,
+:mod:`nats.kernels.linear_ops`): DeltaNet has no
 decay (6), gated linear attention no delta read (5: decay, write ``k v^T``, output),
 linear attention neither (4), but its state has ``dv + 1`` columns (the normaliser
 ``z`` is written and read like a value column). The ELU+1 feature map and the final
@@ -97,11 +98,6 @@ from .softmax_fraction import LayerFraction
 
 DEFAULT_CONTEXTS = tuple(2**p for p in range(10, 21))
 """1024, 2048, ..., 1_048_576 tokens."""
-
-LINEAR_FLOPS_PER_STATE_ENTRY = {"gated_deltanet": 7, "deltanet": 6, "gated_linear_attention": 5,
-                                "linear_attention": 4}
-"""FLOPs per token per state entry of each ``linear_op``: decay 1, delta read 2, write 2,
-output 2 (each operator has the steps it runs)."""
 
 IMPLIED_FRACTION = {"softmax": 1.0, "gdn": 0.0}
 
@@ -240,8 +236,8 @@ def _layer_cost(cfg: NatsConfig, layer: int, kind: str, f: float, seq_len: int,
     h, dk, dv, c = cfg.n_heads, cfg.head_dim_k, cfg.head_dim_v, cfg.chunk_size
     op = LinearOperator.from_config(cfg)
     state_entries = h * dk * op.state_width
-    per_entry = LINEAR_FLOPS_PER_STATE_ENTRY[cfg.linear_op]
-    restore = float(op.decays)  # FLOPs per state entry of a softmax chunk's snapshot restore
+    per_entry = op.spec.flops_per_state_entry
+    restore = float(op.spec.decays)  # FLOPs per state entry of a softmax chunk's snapshot restore
     flops_per_pair = 2 * h * (dk + dv)           # H r heads x 2 (dk/r + dv/r)
     kv_per_token = h * (dk + dv) * dtype_bytes   # H r heads x (dk/r + dv/r) values
     finished = seq_len // c

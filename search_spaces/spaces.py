@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nats.config import BRANCH_NORMS, LAYER_TYPES, LINEAR_OPS, ConfigError
+from nats.config import BRANCH_NORMS, LAYER_TYPES, ConfigError
+from nats.kernels.linear_ops import LINEAR_OP_SPECS
 from nats.kernels.reference.chunks import CHUNK_SIZES
 from nats.trainers import TrainConfig
 
@@ -59,9 +60,11 @@ ROUTING_PARAMS = ("chunk_size", "reg_lambda", "softmax_target", "branch_norm")
 """Keys that only NAtS-L layers read: a trial without one is not asked for them (Optuna
 would otherwise credit them with differences they cannot cause, and a trial differing
 only in them would train the same model again)."""
-CHOICE_PARAMS = {"chunk_size": ("chunk sizes", CHUNK_SIZES), "linear_op": ("operators", LINEAR_OPS),
+CHOICE_PARAMS = {"chunk_size": ("chunk sizes", CHUNK_SIZES),
+                 "linear_op": ("operators", LINEAR_OP_SPECS.keys()),
                  "branch_norm": ("branch norms", BRANCH_NORMS)}
-"""Keys whose values come from a fixed set: a list of them, never a range."""
+"""Keys whose values come from a set: a list of them, never a range (the operators: those
+registered when the space is checked)."""
 
 
 @dataclass(frozen=True)
@@ -214,7 +217,7 @@ def _number(x: Any) -> bool:
 def _check_value(where: str, key: str, value: Any) -> None:
     """One value of ``params.<key>``; raises naming the key and what it may be."""
     if key in CHOICE_PARAMS:
-        what, allowed = CHOICE_PARAMS[key]
+        what, allowed = CHOICE_PARAMS[key][0], tuple(CHOICE_PARAMS[key][1])
         if isinstance(value, bool) or value not in allowed:
             raise _err(where, f"params.{key}", value, f"{what} from {allowed}")
     elif key in INT_PARAMS:
@@ -248,7 +251,7 @@ def _dim(where: str, key: str, spec: Any) -> Dim:
                        "a range {low: X, high: Y, log: true|false}")
         low, high, log = spec["low"], spec["high"], spec.get("log", False)
         if key in CHOICE_PARAMS:
-            what, allowed = CHOICE_PARAMS[key]
+            what, allowed = CHOICE_PARAMS[key][0], tuple(CHOICE_PARAMS[key][1])
             raise _err(where, f"params.{key}", dict(spec),
                        f"a list of {what} from {allowed}, not a range")
         for v in (low, high):

@@ -39,27 +39,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from nats.config import NatsConfig
-from nats.kernels import (
-    hybrid_gated_delta_rule,
-    hybrid_gated_linear_attention,
-    hybrid_linear_attention,
-    num_chunks,
-)
-from nats.kernels.decode import (
-    gated_delta_rule_step,
-    gated_linear_attention_step,
-    linear_attention_step,
-)
+from nats.kernels import num_chunks
+from nats.kernels.linear_ops import LinearOpSpec, linear_op_spec
 
 from .norms import l2_norm, upcast
 from .routing import forced_routes
-
-DECAY_OPS = ("gated_deltanet", "gated_linear_attention")
-"""Operators with a data-dependent decay gate."""
-DELTA_OPS = ("gated_deltanet", "deltanet")
-"""Operators with the delta rule's write strength beta (and its correction)."""
-NORMALISER_OPS = ("linear_attention",)
-"""Operators whose state carries a normaliser column (``Dv + 1``)."""
 
 
 class TokenGates(NamedTuple):
@@ -128,33 +112,28 @@ class LinearOperator:
                    cfg.backend, cfg.route_grad)
 
     @property
+    def spec(self) -> LinearOpSpec:
+        """The registered operator (``nats.kernels.linear_ops``)."""
+        return linear_op_spec(self.name)
+
+    @property
     def scale(self) -> float:
         return self.d_k**-0.5
 
     @property
-    def decays(self) -> bool:
-        """Whether the operator has a data-dependent decay gate ``g``."""
-        return self.name in DECAY_OPS
-
-    @property
-    def delta(self) -> bool:
-        """Whether the operator runs the delta rule (write strength ``beta``)."""
-        return self.name in DELTA_OPS
-
-    @property
     def state_width(self) -> int:
-        """Columns of the state: ``d_v``, plus the normaliser for linear attention."""
-        return self.d_v + (self.name in NORMALISER_OPS)
+        """Columns of the state: ``d_v``, plus the normaliser's for operators with one."""
+        return self.d_v + self.spec.normaliser
 
     def gates(self, d_model: int) -> LinearGates:
-        return LinearGates(d_model, self.heads, decay=self.decays, write=self.delta)
+        return LinearGates(d_model, self.heads, decay=self.spec.decays, write=self.spec.delta)
 
     def features(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """``[B, T, H*D]`` projections as heads ``[B, T, H, D]``, q and k as the operator
         takes them (module docstring)."""
         shape = (*q.shape[:2], self.heads, -1)
         q, k, v = q.view(shape), k.view(shape), v.view(shape)
-        if self.name in NORMALISER_OPS:
+        if self.spec.normaliser:
             return q, k, v
         return l2_norm(q), l2_norm(k), v
 
@@ -171,15 +150,10 @@ class LinearOperator:
         if routes is None:
             routes = all_linear_routes(q.shape[0], q.shape[1], self.chunk_size, self.heads,
                                        q.device)
-        common = dict(initial_state=initial_state, output_final_state=output_final_state,
-                      route_grad=self.route_grad, backend=self.backend)
-        if self.delta:
-            return hybrid_gated_delta_rule(q, k, v, gates.g, gates.beta, routes, self.chunk_size,
-                                           self.scale, **common)
-        if self.decays:
-            return hybrid_gated_linear_attention(q, k, v, gates.g, routes, self.chunk_size,
-                                                 self.scale, **common)
-        return hybrid_linear_attention(q, k, v, routes, self.chunk_size, **common)
+        return self.spec.parallel(q, k, v, gates.g, gates.beta, routes, self.chunk_size,
+                                  self.scale, initial_state=initial_state,
+                                  output_final_state=output_final_state,
+                                  route_grad=self.route_grad, backend=self.backend)
 
     def step(self, state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              gates: TokenGates, out: torch.Tensor | None = None,
@@ -187,10 +161,5 @@ class LinearOperator:
         """One token: q, k ``[B, H, Dk]``, v ``[B, H, Dv]``, gates of that token ``[B, H]``.
         Returns ``(o [B, H, Dv], new_state)``; the new state goes into ``out`` when given
         (``out=state``: in place)."""
-        common = dict(out=out, backend=self.backend)
-        if self.delta:
-            return gated_delta_rule_step(state, q, k, v, gates.g, gates.beta, self.scale,
-                                         **common)
-        if self.decays:
-            return gated_linear_attention_step(state, q, k, v, gates.g, self.scale, **common)
-        return linear_attention_step(state, q, k, v, **common)
+        return self.spec.step(state, q, k, v, gates.g, gates.beta, self.scale, out=out,
+                              backend=self.backend)
