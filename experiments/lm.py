@@ -15,16 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (
-    COST_HEADER,
-    best_per_seed,
-    cost_cells,
-    markdown_table,
-    mean_std,
-    parse_args,
-    run_grid,
-    write_table,
-)
+import common
 
 from nats import NatsConfig
 from nats.trainers import TrainConfig
@@ -41,7 +32,7 @@ SCALES = {
 
 
 def main() -> None:
-    args, s = parse_args(__doc__.splitlines()[0], SCALES)
+    args, s = common.parse_args(__doc__.splitlines()[0], SCALES)
     model = NatsConfig(vocab_size=256, d_model=s["d_model"], n_layers=s["layers"],
                        n_heads=s["heads"], softmax_heads_per_head=2, head_dim_k=s["head_dim"],
                        head_dim_v=s["head_dim"], chunk_size=s["chunk"],
@@ -50,18 +41,18 @@ def main() -> None:
                        seq_len=s["seq_len"], warmup_steps=s["steps"] // 10,
                        eval_interval=s["steps"], eval_batches=2, log_interval=10,
                        checkpoint_interval=s["steps"], keep_checkpoints=1)
-    reports = run_grid("lm", args, base, s["lrs"], s["seeds"], [base], s["eval_batches"])
-    header = ["arch", "params", "bits/byte", "softmax frac", *COST_HEADER]
+    reports = common.run_grid("lm", args, base, s["lrs"], s["seeds"], [base], s["eval_batches"])
+    header = ["arch", "params", "bits/byte", "softmax frac", *common.COST_HEADER]
     rows = []
-    for arch, runs in best_per_seed(reports).items():
+    for arch, runs in common.best_per_seed(reports).items():
         rows.append([arch, f"{runs[0]['parameters']:,}",
-                     mean_std([r["slices"][0]["bits_per_byte"] for r in runs]),
-                     mean_std([r["slices"][0]["softmax_fraction"] for r in runs]),
-                     *cost_cells(runs[0], 0)])
+                     common.mean_std([r["slices"][0]["bits_per_byte"] for r in runs]),
+                     common.mean_std([r["slices"][0]["softmax_fraction"] for r in runs]),
+                     *common.cost_cells(runs[0], 0)])
     out = args.out or Path("runs/experiments") / f"lm-{args.scale}"
-    write_table(out, f"Language modelling, stdlib bytes ({args.scale} scale, context "
-                     f"{s['seq_len']})", markdown_table(header, rows),
-                ["Bits per byte on the validation files (lower is better)."])
+    common.write_table(out, f"Language modelling, stdlib bytes ({args.scale} scale, context "
+                            f"{s['seq_len']})", common.markdown_table(header, rows),
+                       ["Bits per byte on the validation files (lower is better)."])
 
 
 if __name__ == "__main__":

@@ -15,16 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (
-    COST_HEADER,
-    best_per_seed,
-    cost_cells,
-    markdown_table,
-    mean_std,
-    parse_args,
-    run_grid,
-    write_table,
-)
+import common
 
 from nats import NatsConfig
 from nats.trainers import TrainConfig
@@ -51,7 +42,7 @@ SCALES = {
 
 
 def main() -> None:
-    args, s = parse_args(__doc__.splitlines()[0], SCALES)
+    args, s = common.parse_args(__doc__.splitlines()[0], SCALES)
     model = NatsConfig(vocab_size=s["vocab"], d_model=s["d_model"], n_layers=2, n_heads=2,
                        softmax_heads_per_head=2, head_dim_k=s["head_dim"],
                        head_dim_v=s["head_dim"], chunk_size=s["chunk"],
@@ -63,24 +54,24 @@ def main() -> None:
                        eval_interval=s["steps"], eval_batches=2, log_interval=10,
                        checkpoint_interval=s["steps"], keep_checkpoints=1)
     slices = [base.replace(seq_len=t, mqar_pairs=p, mqar_pairs_mix=()) for t, p in s["test"]]
-    reports = run_grid("mqar", args, base, s["lrs"], s["seeds"], slices, s["eval_batches"])
+    reports = common.run_grid("mqar", args, base, s["lrs"], s["seeds"], slices, s["eval_batches"])
     header = ["arch", "lr (per seed)", *(f"acc {t}/{p}" for t, p in s["test"]),
-              "softmax frac", *COST_HEADER]
+              "softmax frac", *common.COST_HEADER]
     rows = []
     train_index = list(s["test"]).index(s["train"])
-    for arch, runs in best_per_seed(reports).items():
-        accs = [mean_std([r["slices"][i]["accuracy"] for r in runs])
+    for arch, runs in common.best_per_seed(reports).items():
+        accs = [common.mean_std([r["slices"][i]["accuracy"] for r in runs])
                 for i in range(len(s["test"]))]
-        frac = mean_std([r["slices"][train_index]["softmax_fraction"] for r in runs])
+        frac = common.mean_std([r["slices"][train_index]["softmax_fraction"] for r in runs])
         rows.append([arch, ", ".join(f"{r['lr']:g}" for r in runs), *accs, frac,
-                     *cost_cells(runs[0], train_index)])
+                     *common.cost_cells(runs[0], train_index)])
     out = args.out or Path("runs/experiments") / f"mqar-{args.scale}"
-    write_table(out, f"MQAR ({args.scale} scale, trained at {seq_len}/{pairs})",
-                markdown_table(header, rows),
-                ["Accuracy: share of queries answered exactly, mean ± std over seeds "
-                 f"({len(s['seeds'])}), the lr of the lowest validation loss per seed. Softmax "
-                 "fraction and cost at the training slice; cost from nats/cost_model.py at "
-                 "4k/32k tokens."])
+    common.write_table(out, f"MQAR ({args.scale} scale, trained at {seq_len}/{pairs})",
+                       common.markdown_table(header, rows),
+                       ["Accuracy: share of queries answered exactly, mean ± std over seeds "
+                        f"({len(s['seeds'])}), the lr of the lowest validation loss per seed. "
+                        "Softmax fraction and cost at the training slice; cost from "
+                        "nats/cost_model.py at 4k/32k tokens."])
 
 
 if __name__ == "__main__":

@@ -18,16 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (
-    COST_HEADER,
-    best_per_seed,
-    cost_cells,
-    markdown_table,
-    mean_std,
-    parse_args,
-    run_grid,
-    write_table,
-)
+import common
 
 from nats import NatsConfig
 from nats.trainers import TrainConfig
@@ -47,7 +38,7 @@ HAYSTACKS, DISTRACTORS = ("repeated", "text"), (0, 2)
 
 
 def main() -> None:
-    args, s = parse_args(__doc__.splitlines()[0], SCALES)
+    args, s = common.parse_args(__doc__.splitlines()[0], SCALES)
     model = NatsConfig(vocab_size=VOCAB, d_model=s["d_model"], n_layers=s["layers"],
                        n_heads=2, softmax_heads_per_head=2, head_dim_k=s["head_dim"],
                        head_dim_v=s["head_dim"], chunk_size=s["chunk"],
@@ -60,24 +51,25 @@ def main() -> None:
     settings = [(t, h, d) for t in s["test"] for h in HAYSTACKS for d in DISTRACTORS]
     slices = [base.replace(seq_len=t, needle_haystack=h, needle_distractors=d)
               for t, h, d in settings]
-    reports = run_grid("needle", args, base, s["lrs"], s["seeds"], slices, s["eval_batches"])
+    reports = common.run_grid("needle", args, base, s["lrs"], s["seeds"], slices, s["eval_batches"])
     header = ["arch", "lr", *(f"{t} {h} d={d}" for t, h, d in settings), "softmax frac",
-              *COST_HEADER]
+              *common.COST_HEADER]
     rows = []
-    for arch, runs in best_per_seed(reports).items():
-        accs = [f'{mean_std([r["slices"][i]["sequence_accuracy"] for r in runs])} '
-                f'({mean_std([r["slices"][i]["accuracy"] for r in runs])})'
+    for arch, runs in common.best_per_seed(reports).items():
+        accs = [f'{common.mean_std([r["slices"][i]["sequence_accuracy"] for r in runs])} '
+                f'({common.mean_std([r["slices"][i]["accuracy"] for r in runs])})'
                 for i in range(len(settings))]
-        frac = mean_std([r["slices"][0]["softmax_fraction"] for r in runs])
+        frac = common.mean_std([r["slices"][0]["softmax_fraction"] for r in runs])
         rows.append([arch, ", ".join(f"{r['lr']:g}" for r in runs), *accs, frac,
-                     *cost_cells(runs[0], 0)])
+                     *common.cost_cells(runs[0], 0)])
     out = args.out or Path("runs/experiments") / f"needle-{args.scale}"
-    write_table(out, f"Needle retrieval ({args.scale} scale, trained at {s['train']} on text "
-                     "haystacks with 1 distractor)", markdown_table(header, rows),
-                ["Cells: share of rows whose 7 answer digits are all right (in brackets: "
-                 "share of answer digits right, chance 0.1); columns: length, haystack, "
-                 "distractors; lr: per seed, the one of the lowest validation loss. Softmax "
-                 "fraction and cost at the first slice."])
+    title = (f"Needle retrieval ({args.scale} scale, trained at {s['train']} on text "
+             "haystacks with 1 distractor)")
+    common.write_table(out, title, common.markdown_table(header, rows),
+                       ["Cells: share of rows whose 7 answer digits are all right (in "
+                        "brackets: share of answer digits right, chance 0.1); columns: length, "
+                        "haystack, distractors; lr: per seed, the one of the lowest validation "
+                        "loss. Softmax fraction and cost at the first slice."])
 
 
 if __name__ == "__main__":

@@ -20,16 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (
-    COST_HEADER,
-    best_per_seed,
-    cost_cells,
-    markdown_table,
-    mean_std,
-    parse_args,
-    run_grid,
-    write_table,
-)
+import common
 
 from nats import NatsConfig
 from nats.trainers import TrainConfig
@@ -52,7 +43,7 @@ SCALES = {
 
 
 def main() -> None:
-    args, s = parse_args(__doc__.splitlines()[0], SCALES)
+    args, s = common.parse_args(__doc__.splitlines()[0], SCALES)
     model = NatsConfig(vocab_size=s["vocab"], d_model=s["d_model"], n_layers=2, n_heads=2,
                        softmax_heads_per_head=2, head_dim_k=s["head_dim"],
                        head_dim_v=s["head_dim"], chunk_size=s["chunk"],
@@ -65,33 +56,34 @@ def main() -> None:
                        eval_batches=2, log_interval=10, checkpoint_interval=s["steps"],
                        keep_checkpoints=1)
     slices = [base.replace(seq_len=t, mqar_pairs=p, mqar_pairs_mix=()) for t, p in s["test"]]
-    reports = run_grid("recall", args, base, s["lrs"], s["seeds"], slices, s["eval_batches"])
+    reports = common.run_grid("recall", args, base, s["lrs"], s["seeds"], slices, s["eval_batches"])
     header = ["arch", *(f"acc {t}/{p}" for t, p in s["test"]), "seq acc", "softmax share",
-              "informative -> softmax", "filler -> softmax", *COST_HEADER]
+              "informative -> softmax", "filler -> softmax", *common.COST_HEADER]
     rows = []
-    for arch, runs in best_per_seed(reports).items():
-        accs = [mean_std([r["slices"][i]["accuracy"] for r in runs])
+    for arch, runs in common.best_per_seed(reports).items():
+        accs = [common.mean_std([r["slices"][i]["accuracy"] for r in runs])
                 for i in range(len(s["test"]))]
         first = [r["slices"][0] for r in runs]
         routing = [x.get("routing") for x in first]
         if all(routing):
-            share = mean_std([x["route_frac"] for x in routing])
-            informative = mean_std([x["route_informative"] for x in routing])
-            filler = mean_std([x["route_filler"] for x in routing])
+            share = common.mean_std([x["route_frac"] for x in routing])
+            informative = common.mean_std([x["route_informative"] for x in routing])
+            filler = common.mean_std([x["route_filler"] for x in routing])
         else:
-            share = mean_std([x["softmax_fraction"] for x in first])
+            share = common.mean_std([x["softmax_fraction"] for x in first])
             informative = filler = "-"
-        rows.append([arch, *accs, mean_std([x["sequence_accuracy"] for x in first]), share,
-                     informative, filler, *cost_cells(runs[0], 0)])
+        rows.append([arch, *accs, common.mean_std([x["sequence_accuracy"] for x in first]), share,
+                     informative, filler, *common.cost_cells(runs[0], 0)])
     out = args.out or Path("runs/experiments") / f"recall-{args.scale}"
-    write_table(out, f"Concentrated recall ({args.scale} scale, trained at {seq_len} tokens, "
-                     f"{pairs} pairs)", markdown_table(header, rows),
-                ["Accuracy: share of queries answered exactly; seq acc: every query of a "
-                 f"sequence right ({s['test'][0][0]}/{s['test'][0][1]}). Softmax share: of the "
-                 "routable chunks (all but each sequence's last) sent to softmax, NAtS-L rows; "
-                 "the softmax fraction of tokens otherwise. Informative chunks hold a queried "
-                 "key-value pair. Mean ± std over seeds "
-                 f"({len(s['seeds'])}); cost from nats/cost_model.py."])
+    title = (f"Concentrated recall ({args.scale} scale, trained at {seq_len} tokens, "
+             f"{pairs} pairs)")
+    common.write_table(out, title, common.markdown_table(header, rows),
+                       ["Accuracy: share of queries answered exactly; seq acc: every query of "
+                        f"a sequence right ({s['test'][0][0]}/{s['test'][0][1]}). Softmax "
+                        "share: of the routable chunks (all but each sequence's last) sent to "
+                        "softmax, NAtS-L rows; the softmax fraction of tokens otherwise. "
+                        "Informative chunks hold a queried key-value pair. Mean ± std over "
+                        f"seeds ({len(s['seeds'])}); cost from nats/cost_model.py."])
 
 
 if __name__ == "__main__":
