@@ -1,13 +1,35 @@
 """Kernel tests run Triton through its interpreter when there is no GPU.
 
-The interpreter must be chosen before Triton is first imported, hence here.
+The interpreter must be chosen before Triton is first imported, hence here. The fixtures
+every kernel test module may ask for (``pytestmark = pytest.mark.usefixtures(...)``) live
+here too.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
+import pytest
 import torch
+
+from .inputs import single_threaded
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton kernels fill their outputs with NaN before they run, so an element a kernel
+    forgets to write fails the comparison instead of passing on leftover memory."""
+    from nats.kernels.triton import utils
+
+    monkeypatch.setattr(utils, "POISON_OUTPUTS", True)
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """The module's tests on one torch thread (:func:`.inputs.single_threaded`)."""
+    with single_threaded():
+        yield

@@ -12,6 +12,10 @@ import torch.nn.functional as F
 
 from nats.kernels import LINEAR, SOFTMAX, num_chunks
 
+CUDA = torch.cuda.is_available()
+"""Kernel tests run at GPU shapes on CUDA and at interpreter shapes otherwise."""
+DEVICE = "cuda" if CUDA else "cpu"
+
 RouteKind = Literal["softmax", "linear", "random"]
 ROUTE_KINDS: tuple[RouteKind, ...] = ("softmax", "linear", "random")
 

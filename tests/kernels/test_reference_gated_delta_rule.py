@@ -9,7 +9,7 @@ the chunked reference: the token-by-token oracles, or numbers worked out by hand
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -26,19 +26,14 @@ from .inputs import (
     grads,
     make_routes,
     rel_rms_error,
-    single_threaded,
 )
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 BATCH, HEADS, D_K, D_V = 2, 2, 8, 6
 GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state", "routes")
 
 GdrFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_threaded() -> Iterator[None]:
-    with single_threaded():
-        yield
 
 
 def leaves(inputs: dict[str, torch.Tensor], routes: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -10,7 +10,7 @@ or numbers worked out by hand.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -21,8 +21,10 @@ from nats.kernels import LINEAR, SOFTMAX, num_chunks
 from nats.kernels import reference as ref
 from nats.kernels.decode import gated_linear_attention_step, linear_attention_step
 
-from .inputs import F64, ROUTE_KINDS, grads, make_routes, rel_rms_error, single_threaded
+from .inputs import F64, ROUTE_KINDS, grads, make_routes, rel_rms_error
 from .linear_inputs import gla_inputs, la_inputs
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 BATCH, HEADS, D_K, D_V = 2, 2, 8, 6
 
@@ -46,12 +48,6 @@ GLA = Op("gla", gla_inputs, ref.hybrid_gated_linear_attention,
 LA = Op("la", la_inputs, ref.hybrid_linear_attention, ref.hybrid_linear_attention_recurrent,
         nk.hybrid_linear_attention)
 OPS = [GLA, LA]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_threaded() -> Iterator[None]:
-    with single_threaded():
-        yield
 
 
 def leaves(inputs: dict[str, torch.Tensor], routes: torch.Tensor) -> dict[str, torch.Tensor]:

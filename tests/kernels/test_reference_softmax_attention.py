@@ -10,7 +10,7 @@ through the chunked reference: the token-by-token oracle, PyTorch's
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -27,19 +27,14 @@ from .inputs import (
     grads,
     make_routes,
     rel_rms_error,
-    single_threaded,
     softmax_inputs,
 )
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 BATCH, HEADS, PER_HEAD, DIM = 2, 2, 2, 8
 """Batch, routing heads, softmax heads per routing head, head width."""
 GRAD_NAMES = ("q", "k", "v", "routes")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_threaded() -> Iterator[None]:
-    with single_threaded():
-        yield
 
 
 def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

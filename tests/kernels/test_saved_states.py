@@ -11,21 +11,16 @@ import pytest
 import torch
 
 from nats.kernels import num_chunks
-from nats.kernels.triton import gated_delta_rule, utils
+from nats.kernels.triton import gated_delta_rule
 from nats.kernels.triton.gated_delta_rule import hybrid_gated_delta_rule
 from nats.kernels.triton.gated_linear_attention import hybrid_gated_linear_attention
 
-from .inputs import check, gdr_inputs, routes_with_softmax_fraction
+from .inputs import CUDA, DEVICE, check, gdr_inputs, routes_with_softmax_fraction
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
+pytestmark = pytest.mark.usefixtures("poison_outputs")
+
 # batch, T, heads, Dk = Dv, chunk, dtype
 SHAPE = (2, 4001, 8, 128, 128, torch.bfloat16) if CUDA else (2, 45, 2, 16, 32, torch.float16)
-
-
-@pytest.fixture(autouse=True)
-def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(utils, "POISON_OUTPUTS", True)
 
 
 def _run(op: str, leaves: list[torch.Tensor], chunk: int, cot: torch.Tensor,

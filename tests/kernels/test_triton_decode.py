@@ -14,20 +14,14 @@ import torch.nn.functional as F
 
 from nats.kernels import decode
 from nats.kernels.reference import decode as ref
-from nats.kernels.triton import utils
 
-from .inputs import check, gdr_inputs
+from .inputs import CUDA, DEVICE, check, gdr_inputs
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
+pytestmark = pytest.mark.usefixtures("poison_outputs")
+
 LOW = torch.bfloat16 if CUDA else torch.float16
 OUTPUT_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 """Both sides compute in float32; the tolerance is the rounding of the output's dtype."""
-
-
-@pytest.fixture(autouse=True)
-def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(utils, "POISON_OUTPUTS", True)
 
 
 def _cache(batch: int, heads: int, r: int, capacity: int, chunk: int, d_k: int, d_v: int,

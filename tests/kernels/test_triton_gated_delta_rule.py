@@ -14,19 +14,13 @@ import torch.nn.functional as F
 from nats.kernels import LINEAR, SOFTMAX, hybrid_gated_delta_rule, num_chunks
 from nats.kernels import reference as ref
 from nats.kernels.triton import gated_delta_rule_bwd as gdr_bwd
-from nats.kernels.triton import utils
 from nats.kernels.triton.gated_delta_rule import hybrid_gated_delta_rule as triton_gdr
 
-from .inputs import check, gdr_inputs, make_routes, routes_with_softmax_fraction
+from .inputs import CUDA, DEVICE, check, gdr_inputs, make_routes, routes_with_softmax_fraction
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
+pytestmark = pytest.mark.usefixtures("poison_outputs")
+
 TOKEN_INPUTS = ("q", "k", "v", "g", "beta")
-
-
-@pytest.fixture(autouse=True)
-def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(utils, "POISON_OUTPUTS", True)
 
 
 def compare(x: dict[str, torch.Tensor], routes: torch.Tensor, chunk_size: int,

@@ -20,23 +20,17 @@ from nats.kernels import (
     hybrid_linear_attention,
     num_chunks,
 )
-from nats.kernels.triton import utils
 from nats.kernels.triton.gated_linear_attention import (
     hybrid_gated_linear_attention as triton_gla,
 )
 
-from .inputs import check, make_routes, routes_with_softmax_fraction
+from .inputs import CUDA, DEVICE, check, make_routes, routes_with_softmax_fraction
 from .linear_inputs import gla_inputs, la_inputs
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
+pytestmark = pytest.mark.usefixtures("poison_outputs")
+
 HALF_INPUTS = ("q", "k", "v")
 """Inputs given to the kernel in the tested dtype; g and the state stay float32."""
-
-
-@pytest.fixture(autouse=True)
-def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(utils, "POISON_OUTPUTS", True)
 
 
 def run(op: str, t: dict[str, torch.Tensor], routes: torch.Tensor, chunk: int, final: bool,

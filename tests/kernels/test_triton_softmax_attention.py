@@ -13,10 +13,11 @@ import torch.nn.functional as F
 
 from nats.kernels import LINEAR, SOFTMAX, hybrid_softmax_attention, num_chunks
 from nats.kernels import reference as ref
-from nats.kernels.triton import utils
 from nats.kernels.triton.softmax_attention import hybrid_softmax_attention as triton_attn
 
 from .inputs import (
+    CUDA,
+    DEVICE,
     check,
     make_routes,
     rel_rms_error,
@@ -24,15 +25,10 @@ from .inputs import (
     softmax_inputs,
 )
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
+pytestmark = pytest.mark.usefixtures("poison_outputs")
+
 HEADS, PER_HEAD = 2, 2
 """Routing heads and softmax heads per routing head of the interpreted cases."""
-
-
-@pytest.fixture(autouse=True)
-def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(utils, "POISON_OUTPUTS", True)
 
 
 def reference_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, routes: torch.Tensor,
