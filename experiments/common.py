@@ -66,7 +66,8 @@ def parse_args(description: str, scales: dict[str, dict[str, Any]],
     p.add_argument("--out", type=Path, default=None, help="results folder")
     p.add_argument("--router-lr-scale", type=float, default=None,
                    help="the scorers' lr as a multiple of the lr (default: the trainer's); "
-                        "use a fresh --out, the run names do not say it")
+                        "use a fresh --out, the run names do not say it (the same as --set "
+                        "router_lr_scale=X)")
     p.add_argument("--set", dest="settings", nargs="+", type=_setting, default=[],
                    metavar="FIELD=VALUE",
                    help="a TrainConfig or NatsConfig field of every run, the value as JSON "
@@ -88,6 +89,8 @@ def parse_args(description: str, scales: dict[str, dict[str, Any]],
     overrides = {"seeds": args.seeds and tuple(args.seeds), "lrs": args.lrs and tuple(args.lrs),
                  "steps": args.steps}
     scale = {**scale, **{k: v for k, v in overrides.items() if v}}
+    if args.router_lr_scale is not None:
+        args.settings.append(("router_lr_scale", args.router_lr_scale))
     if args.max_minutes is None:
         args.max_minutes = scale["minutes"]
     return args, scale
@@ -297,8 +300,6 @@ def run_grid(name: str, args: argparse.Namespace, base: TrainConfig, lrs: Sequen
                 bar.update(1)
                 continue
             run = base.replace(lr=lr, seed=seed, out_dir=str(out / "runs" / tag))
-            if args.router_lr_scale is not None:
-                run = run.replace(router_lr_scale=args.router_lr_scale)
             run = with_settings(run, dict(args.settings))
             console = _console_log(out, tag) if args.jobs > 1 else None
             running[pool.submit(train_and_eval, run, arch, slices, eval_batches, device, done,

@@ -50,13 +50,12 @@ def _base(device: str = "cpu") -> TrainConfig:
 
 def _grid(out: Path, jobs: int, archs: list[str] = ARCHS, lrs: tuple[float, ...] = (
         GOOD_LR, DIVERGING_LR), device: str = "cpu",
-          router_lr_scale: float | None = None,
           settings: tuple[tuple[str, Any], ...] = ()) -> list[dict[str, Any]]:
     base = _base(device)
     slices = [base, base.replace(seq_len=64, mqar_pairs=8)]
     args = argparse.Namespace(scale="test", device=device, max_minutes=10.0, archs=archs,
                               out=out, jobs=jobs, no_prefill=False,
-                              router_lr_scale=router_lr_scale, settings=list(settings))
+                              settings=list(settings))
     return common.run_grid("mqar", args, base, lrs, (0,), slices, eval_batches=1)
 
 
@@ -112,8 +111,12 @@ def test_two_jobs_give_the_sequential_grid_and_resume(tmp_path: Path) -> None:
         [(s["accuracy"], s["loss"]) for s in redone_report["slices"]]
 
 
-def test_router_lr_scale_reaches_every_run(tmp_path: Path) -> None:
-    _grid(tmp_path / "grid", jobs=1, archs=["natsl-all"], lrs=(GOOD_LR,), router_lr_scale=5.0)
+def test_router_lr_scale_reaches_every_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          ) -> None:
+    monkeypatch.setattr(sys, "argv", ["mqar.py", "--router-lr-scale", "5"])
+    args, _ = common.parse_args("test", {"cpu": {"minutes": 1}})
+    _grid(tmp_path / "grid", jobs=1, archs=["natsl-all"], lrs=(GOOD_LR,),
+          settings=tuple(args.settings))
     saved = json.loads((tmp_path / "grid" / "runs" / "natsl-all-lr0.01-seed0" /
                         "train_config.json").read_text())
     assert saved["router_lr_scale"] == 5.0 and _base().router_lr_scale == 1.0
