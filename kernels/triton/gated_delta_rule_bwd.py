@@ -34,11 +34,6 @@ from .gated_delta_rule_fwd import (
 )
 from .utils import empty, is_power_of_two
 
-FUSE_DV_LOCAL = False
-"""With one kernel chunk per routing chunk, form ``M^T do`` inside :func:`state_bwd` (off
-its serial dependency chain) instead of in a separate launch through device memory. Off:
-it measured slower (state_bwd is latency-bound, and the fused form lengthens its chain)."""
-
 HALF_GRADS = True
 """Keep the backward's intermediates (``M^T do``, ``d v_new``, partial ``dk``, ``dw``) in
 the inputs' dtype rather than float32: they only feed half-precision products or one sum."""
@@ -88,15 +83,15 @@ def _dv_local_kernel(q, k, do, gc, dv, scale, cu, chunk_offsets, chunk_seq,
                    o_t, m_t, i_h, H, V, o_v)
 
 
-@triton.autotune(configs=seq_configs(2), key=["H", "K", "V", "BT", "R", "FUSE_DVL"],
+@triton.autotune(configs=seq_configs(2), key=["H", "K", "V", "BT", "R"],
                  reset_to_zero=["dz", "dgs"])
 @triton.jit
 def _state_bwd_kernel(q, k, w, do, v_new, dv_local, gc, z, h, dh, dv, dz, dgs, dht, dh0,
                       scale, cu, chunk_offsets,
                       H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                       R: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr,
-                      STORE_DH0: tl.constexpr, DZ_MIN: tl.constexpr, FUSE_DVL: tl.constexpr,
-                      DELTA: tl.constexpr, PREC: tl.constexpr):
+                      STORE_DH0: tl.constexpr, DZ_MIN: tl.constexpr, DELTA: tl.constexpr,
+                      PREC: tl.constexpr):
     """``DELTA``: the delta rule (``dh`` loses ``w^T d v_new``); otherwise gated linear
     attention, whose ``v_new`` are the values and which has no ``w``."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -125,12 +120,7 @@ def _state_bwd_kernel(q, k, w, do, v_new, dv_local, gc, z, h, dh, dv, dz, dgs, d
             if DELTA:
                 b_w = load_rows(w, o_t, m_t, i_h, H, K, o_k)
             b_do = load_rows(do, o_t, m_t, i_h, H, V, o_v)
-            if FUSE_DVL:
-                b_mt = tl.dot(b_k, tl.trans(b_q), input_precision=PREC) * tl.trans(
-                    causal_decay(b_gc, o_i, 0)) * scale
-                b_dv = tl.dot(b_mt.to(b_do.dtype), b_do, input_precision=PREC)
-            else:
-                b_dv = load_rows(dv_local, o_t, m_t, i_h, H, V, o_v).to(tl.float32)
+            b_dv = load_rows(dv_local, o_t, m_t, i_h, H, V, o_v).to(tl.float32)
             b_dhz = b_z * b_dh
             tl.store(dh + (i_s * H + i_h).to(tl.int64) * K * V + p_hv,
                      b_dhz.to(dh.dtype.element_ty), mask=m_hv)
@@ -354,8 +344,7 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor | None, do: torc
     _, _, heads, d_k = q.shape
     d_v = do.shape[-1]
     n_seq = cmap.cu_seqlens.numel() - 1
-    fuse = FUSE_DV_LOCAL and r == 1
-    dvl = do if fuse else dv_local(q, k, do, gc, scale, cmap, bt, r)  # do: an unread stand-in
+    dvl = dv_local(q, k, do, gc, scale, cmap, bt, r)
     dh = empty(*h.shape, dtype=h.dtype, device=q.device)
     dv = empty(*do.shape, dtype=grad_dtype(do.dtype), device=q.device)
     dz = torch.zeros(z.shape, dtype=torch.float32, device=q.device)
@@ -369,7 +358,7 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor | None, do: torc
                             scale, cmap.cu_seqlens, cmap.chunk_offsets,
                             H=heads, K=d_k, V=d_v, BT=bt, R=r, USE_DHT=dht is not None,
                             STORE_DH0=need_dh0, DZ_MIN=-1.0 if all_dz else 0.5,
-                            FUSE_DVL=fuse, DELTA=w is not None, PREC=dot_precision(q.dtype))
+                            DELTA=w is not None, PREC=dot_precision(q.dtype))
     return dh, dv, dz, dgs, dh0
 
 

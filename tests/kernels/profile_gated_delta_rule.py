@@ -128,11 +128,8 @@ VARIANTS = {  # step -> list of (label, config, module overrides); the defaults 
                for tf32 in (Fw.TF32_INVERSE, not Fw.TF32_INVERSE) for nw in (2, 4)],
     "state_fwd": [(f"BV{bv} w{nw} s{ns}", cfg(nw, ns, BV=bv), {})
                   for bv, nw, ns in ((32, 4, 3), (32, 4, 2))],
-    "state_bwd": [(f"BV{bv} w{nw} s{ns}{' fused M^T do' if fuse else ''}", cfg(nw, ns, BV=bv),
-                   {"FUSE_DV_LOCAL": fuse})
-                  for bv, nw, ns, fuse in ((32, 4, 2, B.FUSE_DV_LOCAL), (16, 4, 2, B.FUSE_DV_LOCAL),
-                                           (32, 4, 3, B.FUSE_DV_LOCAL),
-                                           (32, 4, 2, not B.FUSE_DV_LOCAL))],
+    "state_bwd": [(f"BV{bv} w{nw} s{ns}", cfg(nw, ns, BV=bv), {})
+                  for bv, nw, ns in ((32, 4, 2), (16, 4, 2), (32, 4, 3))],
     "dqkwg": [(f"BK{bk} BV{bv} w{nw} s{ns}", cfg(nw, ns, BV=bv), {"DQKWG_BLOCK_K": bk})
               for bk, bv, nw, ns in ((64, 64, 4, 1), (64, 32, 4, 1), (128, 64, 4, 1))],
     "wy_bwd": [(f"BK{bk} BV{bv} w{nw} s{ns}", cfg(nw, ns, BV=bv), {"WY_BWD_BLOCK_K": bk})

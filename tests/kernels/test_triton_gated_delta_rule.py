@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from nats.kernels import LINEAR, SOFTMAX, hybrid_gated_delta_rule, num_chunks
 from nats.kernels import reference as ref
 from nats.kernels.triton import gated_delta_rule_bwd as gdr_bwd
+from nats.kernels.triton import gated_delta_rule_fwd as gdr_fwd
 from nats.kernels.triton.gated_delta_rule import hybrid_gated_delta_rule as triton_gdr
 
 from .inputs import CUDA, DEVICE, check, gdr_inputs, make_routes, routes_with_softmax_fraction
@@ -120,6 +121,25 @@ def test_varlen_matches_reference_interpreted(lengths: tuple[int, ...], chunk: i
     routes = make_routes(1, n_total * chunk, chunk, heads, "random", dtype=torch.float32)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE)
     compare(x, routes, chunk, dtype, route_grad, True, True, 5e-3, 8e-3, cu, backend_op)
+
+
+@pytest.mark.parametrize(("module", "toggle"), [(gdr_fwd, "HALF_A"), (gdr_fwd, "TF32_INVERSE"),
+                                              (gdr_bwd, "HALF_GRADS")])
+def test_precision_toggles_off_match_reference(monkeypatch: pytest.MonkeyPatch, module,
+                                               toggle: str) -> None:
+    """Each precision shortcut's other setting (float32 ``A``, exact inverse products,
+    float32 backward intermediates) still matches the reference, so it stays a usable
+    switch for a GPU or dtype where the shortcut loses accuracy."""
+    assert getattr(module, toggle) is True  # the shipped setting; the test runs the other
+    monkeypatch.setattr(module, toggle, False)
+    if CUDA:
+        batch, seq_len, heads, d, chunk, dtype = 2, 2048, 8, 128, 64, torch.bfloat16
+    else:
+        batch, seq_len, heads, d, chunk, dtype = 1, 70, 2, 16, 32, torch.float16
+    x = gdr_inputs(batch, seq_len, heads, d, d, dtype=torch.float32, seed=21)
+    routes = routes_with_softmax_fraction(batch, num_chunks(seq_len, chunk), heads, 0.25)
+    compare(x, routes, chunk, dtype, "both", True, True, 1e-2 if CUDA else 5e-3,
+            1e-2 if CUDA else 8e-3)
 
 
 @pytest.mark.parametrize(("seq_len", "chunk"), [(40, 16), (100, 32)])
