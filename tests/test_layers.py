@@ -1,5 +1,6 @@
 """The import layers of docs/ARCHITECTURE.md hold: no module imports a higher layer or a
-sibling, nothing imports ``experiments``, and no two modules import each other in a cycle.
+sibling, nothing imports ``experiments`` or ``benchmarks``, and no two modules import each
+other in a cycle.
 
 Read from the source with ``ast`` (import-linter's graph builder cannot follow the
 ``package-dir`` mapping that puts ``nats.kernels`` in ``kernels/``), so an import inside a
@@ -22,6 +23,8 @@ LAYERS = (("nats.kernels",), ("nats",), ("nats.trainers",), ("nats.search_spaces
           ("nats.analysis", "nats.evaluation"), ("nats.cli",))
 """Lowest first; packages in one layer are siblings that must not import each other. A
 module belongs to the longest package named here that holds it."""
+SCRIPTS = {"experiments": "experiment scripts", "benchmarks": "developer benchmarks"}
+"""Folders of scripts, not libraries: nothing in the package imports them."""
 
 
 def _module_name(path: Path) -> str:
@@ -36,7 +39,7 @@ def _modules() -> dict[str, Path]:
 
 def _imports(name: str, path: Path, known: set[str]) -> list[tuple[str, int, bool]]:
     """``(imported module, line, only for type checking)`` of every import in ``path``
-    of a package module (or of ``experiments``), resolved to the longest known module."""
+    of a package module (or of a script folder), resolved to the longest known module."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     typing_only = {id(node) for guard in ast.walk(tree) if isinstance(guard, ast.If)
                    and ast.unparse(guard.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
@@ -60,8 +63,8 @@ def _imports(name: str, path: Path, known: set[str]) -> list[tuple[str, int, boo
                              if ".".join(parts[:n]) in known), None)
             if resolved is not None and resolved != name:
                 out.append((resolved, node.lineno, id(node) in typing_only))
-            elif parts[0] == "experiments":
-                out.append(("experiments", node.lineno, id(node) in typing_only))
+            elif parts[0] in SCRIPTS:
+                out.append((parts[0], node.lineno, id(node) in typing_only))
     return out
 
 
@@ -91,8 +94,8 @@ def test_no_module_imports_upward_or_sideways(module: str) -> None:
     here, package = _layer(module)
     bad = []
     for target, line, _ in EDGES[module]:
-        if target == "experiments":
-            bad.append(f"line {line}: experiments (scripts, not a library)")
+        if target in SCRIPTS:
+            bad.append(f"line {line}: {target} ({SCRIPTS[target]}, not a library)")
             continue
         there, other = _layer(target)
         if there > here or (there == here and other != package):
@@ -102,7 +105,7 @@ def test_no_module_imports_upward_or_sideways(module: str) -> None:
 
 def test_no_import_cycles() -> None:
     """Module-level and deferred imports alike; ``TYPE_CHECKING`` imports run never."""
-    graph = {m: {t for t, _, typing in EDGES[m] if not typing and t != "experiments"}
+    graph = {m: {t for t, _, typing in EDGES[m] if not typing and t not in SCRIPTS}
              for m in MODULES}
     # A package's own __init__ re-exporting its modules is not a cycle to fix.
     for m in graph:

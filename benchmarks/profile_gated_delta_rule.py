@@ -1,5 +1,5 @@
 """Per-kernel times of the Triton hybrid gated delta rule, and launch-config variants of each
-(run by hand on a GPU; no pytest): ``python tests/kernels/profile_gated_delta_rule.py [OUT]``.
+(run by hand on a GPU; no pytest): ``python benchmarks/profile_gated_delta_rule.py [OUT]``.
 
 Shape of ``nats bench kernels``: bf16, B*T = 65,536, H = 16, Dk = Dv = 128, chunk 64, 25 %
 softmax chunks. Every kernel is timed alone on the intermediates of one real pass

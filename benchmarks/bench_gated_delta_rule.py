@@ -1,6 +1,6 @@
 """Time the Triton hybrid gated delta rule against SDPA causal (run by hand on a GPU).
 
-``python tests/kernels/bench_gated_delta_rule.py``: bf16, B*T = 65,536 tokens, 16 linear
+``python benchmarks/bench_gated_delta_rule.py``: bf16, B*T = 65,536 tokens, 16 linear
 heads of 128 against SDPA over 32 softmax heads of 64, chunk 64, forward and
 forward+backward (ms, triton.testing.do_bench). First prints the relative RMS errors of
 one realistic case against the float32 reference.
@@ -14,9 +14,12 @@ from triton.testing import do_bench
 
 from nats.kernels import num_chunks
 from nats.kernels import reference as ref
+from nats.kernels.bench import BenchShape
 from nats.kernels.triton.gated_delta_rule import hybrid_gated_delta_rule
 
-TOKENS, HEADS, DIM, CHUNK = 65536, 16, 128, 64
+SHAPE = BenchShape()
+"""The registry's shape (``nats bench kernels``): tokens, linear heads and width, chunk."""
+TOKENS, HEADS, DIM, CHUNK = SHAPE.tokens, SHAPE.heads, SHAPE.head_dim_linear, SHAPE.chunk_size
 NAMES = ("q", "k", "v", "g", "beta", "h0")
 
 

@@ -1,6 +1,6 @@
 """Compile the GDR Triton kernels for sm_90 on a machine without a GPU and print each one's
 registers, stack (spill) bytes, shared memory, local loads/stores and matrix instructions
-(run by hand: ``python tests/kernels/aot_gdr_resources.py [kernel ...]``).
+(run by hand: ``python benchmarks/aot_gdr_resources.py [kernel ...]``).
 
 Use the Triton of the GPU machine for numbers that match it, e.g.
 ``pip install --target /tmp/t36 --no-deps triton==3.6.0`` and ``PYTHONPATH=/tmp/t36``.
@@ -60,9 +60,8 @@ if __name__ == "__main__":
         for nw in (2, 4, 8):
             rep("wy_bwd", B._wy_bwd_kernel, dict(BASE, BV=64, BK=64), nw); rep("wy_bwd_bk128", B._wy_bwd_kernel, dict(BASE, BV=64, BK=128), nw); rep("wy_bwd_bk32", B._wy_bwd_kernel, dict(BASE, BV=64, BK=32), nw)
     if want("state_bwd"):
-        extra = dict(FUSE_DVL=False) if "FUSE_DVL" in jit(B._state_bwd_kernel).arg_names else {}
         for bv, nw, ns in ((32, 4, 2), (16, 4, 2), (64, 4, 2), (32, 8, 2), (16, 2, 2), (32, 4, 1)):
-            rep(f"state_bwd_bv{bv}", B._state_bwd_kernel, dict(BASE, BV=bv, USE_DHT=True, STORE_DH0=True, DZ_MIN=0.5, **extra), nw, ns)
+            rep(f"state_bwd_bv{bv}", B._state_bwd_kernel, dict(BASE, BV=bv, USE_DHT=True, STORE_DH0=True, DZ_MIN=0.5), nw, ns)
     if want("state_fwd"):
         for bv, nw, ns in ((32, 4, 3), (32, 4, 2), (16, 4, 3), (64, 4, 3), (32, 8, 3), (32, 4, 1)):
             rep(f"state_fwd_bv{bv}", F._state_fwd_kernel, dict(BASE, BV=bv, USE_H0=True, STORE_HT=True), nw, ns)

@@ -1,5 +1,5 @@
 """Where the softmax side's time goes, against SDPA's backends (run by hand on a GPU; no
-pytest): ``python tests/kernels/profile_softmax_attention.py [OUT]``.
+pytest): ``python benchmarks/profile_softmax_attention.py [OUT]``.
 
 Shape of ``nats bench kernels``: bf16, B*T = 65,536, 32 softmax heads of 64 (16 routing
 heads, r = 2), chunk 64. Measures (``triton.testing.do_bench`` medians, ms):

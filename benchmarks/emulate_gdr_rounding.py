@@ -1,5 +1,5 @@
 """Emulate, in PyTorch on the CPU, where the bf16 Triton GDR rounds, to see which rounding
-drives the route gradient's error (run by hand: ``python tests/kernels/emulate_gdr_rounding.py
+drives the route gradient's error (run by hand: ``python benchmarks/emulate_gdr_rounding.py
 [T H seed]``; about 10 s a variant at T = 8192, H = 4).
 
 Chunk 64 (one kernel chunk per routing chunk), dense B = 1, the GPU test's inputs. Each

@@ -1,5 +1,5 @@
 """Where the mixed operator's time goes, kernel by kernel (run by hand on a GPU; no pytest):
-``python tests/kernels/profile_mixed_operator.py [T:FRACTION ...]`` (default ``32768:0.25
+``python benchmarks/profile_mixed_operator.py [T:FRACTION ...]`` (default ``32768:0.25
 32768:1``).
 
 For each cell of ``nats bench kernels``' shape it runs the softmax side alone and the

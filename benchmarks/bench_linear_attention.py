@@ -1,6 +1,6 @@
 """Time the Triton linear operators side by side (run by hand on a GPU).
 
-``python tests/kernels/bench_linear_attention.py``: bf16, B*T = 65,536 tokens, 16 heads of
+``python benchmarks/bench_linear_attention.py``: bf16, B*T = 65,536 tokens, 16 heads of
 128, chunk 64, 25 % softmax routes; forward and forward+backward (ms, do_bench medians) of
 the gated delta rule, DeltaNet (the same op at g = 0), gated linear attention and ELU+1
 linear attention (gated linear attention at a value width of 129).
@@ -18,8 +18,12 @@ from nats.kernels import (
     hybrid_linear_attention,
     num_chunks,
 )
+from nats.kernels.bench import BenchShape
 
-TOKENS, HEADS, DIM, CHUNK, FRAC = 65536, 16, 128, 64, 0.25
+SHAPE = BenchShape()
+"""The registry's shape (``nats bench kernels``): tokens, linear heads and width, chunk."""
+TOKENS, HEADS, DIM, CHUNK = SHAPE.tokens, SHAPE.heads, SHAPE.head_dim_linear, SHAPE.chunk_size
+FRAC = 0.25
 
 
 def operators(routes: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
