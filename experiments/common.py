@@ -42,12 +42,14 @@ TEST_EVAL_SEED = 1001
 training config's ``eval_seed`` stream, a different one."""
 RECIPES = ("official", "softmax", "linear")
 ARCH_CHOICES = (*ARCHITECTURES,
-                *(f"{a}:{r}" for r in RECIPES for a in ("natsl", "natsl-all")))
+                *(f"{a}:{r}" for r in RECIPES for a in ("natsl", "natsl-all")),
+                "layer-hybrid:4")
 """Grid rows: an architecture (``nats train --arch``), or a NAtS-L one with a recipe:
 ``:official``, its NAtS-L layers trained with the official layer's recipe
 (``NatsConfig.official_recipe``) instead of the defaults; ``:softmax`` / ``:linear``, every
 route of its NAtS-L layers forced to that side in training and evaluation (what the layer
-does without its router)."""
+does without its router); ``layer-hybrid:4``, softmax in every 4th layer instead of every
+2nd (a quarter of the layers: the layer hybrid at NAtS-L's default budget)."""
 
 
 def parse_args(description: str, scales: dict[str, dict[str, Any]],
@@ -175,7 +177,7 @@ def train_and_eval(config: TrainConfig, arch: str, slices: Sequence[TrainConfig]
 def with_row(config: TrainConfig, arch: str) -> TrainConfig:
     """``config`` with grid row ``arch``'s mixers (and recipe, see ``ARCH_CHOICES``)."""
     name, _, recipe = arch.partition(":")
-    config = with_architecture(config, name)
+    config = with_architecture(config, name, int(recipe) if recipe.isdigit() else 2)
     return config.replace(model=config.model.official_recipe()) if recipe == "official" \
         else config
 
