@@ -13,7 +13,9 @@ import os, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from nats.kernels.bench import BenchShape
 from nats.kernels.triton import gated_delta_rule_fwd as F, gated_delta_rule_bwd as B
+from nats.kernels.triton.gated_delta_rule import KERNEL_CHUNK
 
 TARGET = GPUTarget("cuda", 90, 32)
 DIV_H = os.environ.get("DIV_H", "1") == "1"
@@ -49,7 +51,9 @@ def rep(name, k, consts, nw, ns=2, types=None):
           f"LDL {sass.count('LDL'):5d} STL {sass.count('STL'):5d} HGMMA {sass.count('HGMMA'):4d} "
           f"HMMA {sass.count('HMMA'):4d} LDG.U16 {sass.count('LDG.E.U16')} LDG.128 {sass.count('LDG.E.128')} STG.U16 {sass.count('STG.E.U16')}", flush=True)
 
-BASE = dict(K=128, V=128, BT=64, R=1, PREC="tf32")
+SHAPE = BenchShape()  # the registry's shape (nats bench kernels): Dk = Dv, routing chunk
+BT = min(SHAPE.chunk_size, KERNEL_CHUNK)
+BASE = dict(K=SHAPE.head_dim_linear, V=SHAPE.head_dim_linear, BT=BT, R=SHAPE.chunk_size // BT, PREC="tf32")
 if __name__ == "__main__":
     which = sys.argv[1:] or ["all"]
     def want(n): return "all" in which or n in which

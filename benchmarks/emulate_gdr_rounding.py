@@ -12,7 +12,6 @@ beta into A's columns (what the kernels now do) gives ~3e-3, as float32 A did.
 """
 # ruff: noqa
 import sys, torch, torch.nn.functional as F
-torch.set_num_threads(2)
 D = torch.float64
 
 def bf(x):  # round to bf16
@@ -25,11 +24,15 @@ def tf32(x):  # round-to-nearest to 10 mantissa bits
     return i.view(torch.float32).to(D)
 
 def make(T=8192, H=4, K=128, seed=8192, frac=0.25, chunk=64):
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    from inputs import gdr_inputs, routes_with_softmax_fraction
-    x = gdr_inputs(1, T, H, K, K, dtype=torch.float32, seed=seed)
-    routes = routes_with_softmax_fraction(1, T // chunk, H, frac)
-    return x, routes
+    """The GPU test's inputs in float32: ``gdr_inputs(1, T, H, K, K, seed=seed)`` and
+    ``routes_with_softmax_fraction(1, T // chunk, H, frac)`` of tests/kernels/inputs.py
+    (tests/test_benchmarks.py checks that the two stay the same)."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)
+    q, k = (F.normalize(r(1, T, H, K), dim=-1) for _ in range(2))
+    x = dict(q=q, k=k, v=r(1, T, H, K), g=F.logsigmoid(r(1, T, H) + 3), beta=torch.sigmoid(r(1, T, H)), initial_state=r(1, H, K, K))
+    linear = torch.rand(1, T // chunk, H, generator=torch.Generator().manual_seed(0)) >= frac
+    return x, F.one_hot(linear.long(), 2).float()
 
 def run(x, routes, cfg, C=64):
     """Returns dz [N, H] (linear routes grad) of the emulated kernel and the cotangents."""
@@ -129,6 +132,7 @@ def rel(a, b):
     return ((a - b).square().mean().sqrt() / b.square().mean().sqrt()).item()
 
 if __name__ == "__main__":
+    torch.set_num_threads(2)
     T = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
     H = int(sys.argv[2]) if len(sys.argv) > 2 else 4
     seed = int(sys.argv[3]) if len(sys.argv) > 3 else T

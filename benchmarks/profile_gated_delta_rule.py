@@ -21,16 +21,21 @@ import triton
 from triton.testing import do_bench
 
 from nats.kernels import num_chunks
+from nats.kernels.bench import BenchShape
 from nats.kernels.triton import gated_delta_rule_bwd as B
 from nats.kernels.triton import gated_delta_rule_fwd as Fw
 from nats.kernels.triton.gated_delta_rule import KERNEL_CHUNK, hybrid_gated_delta_rule
 from nats.kernels.triton.utils import chunk_map
 
-TOKENS, HEADS, DIM, CHUNK, FRAC = 65536, 16, 128, 64, 0.25
+SHAPE = BenchShape()
+"""The registry's shape (``nats bench kernels``): tokens, linear heads and width, chunk."""
+FRAC = 0.25
 SEQ_LENS = (8192, 32768)
 DEVICE = "cuda"
 if os.environ.get("DRY_RUN"):  # a check of this script under the CPU interpreter
-    TOKENS, HEADS, DIM, SEQ_LENS, DEVICE = 256, 2, 32, (128, 256), "cpu"
+    SHAPE = BenchShape(tokens=256, heads=2, head_dim_linear=32)
+    SEQ_LENS, DEVICE = (128, 256), "cpu"
+TOKENS, HEADS, DIM, CHUNK = SHAPE.tokens, SHAPE.heads, SHAPE.head_dim_linear, SHAPE.chunk_size
 
 
 def inputs(seq_len: int, seed: int = 0):

@@ -23,15 +23,20 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from nats.kernels.bench import random_routes
+from nats.kernels.bench import BenchShape, random_routes
 from nats.kernels.triton import softmax_attention as S
 from nats.kernels.triton.utils import chunk_map
 
-TOKENS, HEADS, R, DIM, CHUNK = 65536, 16, 2, 64, 64
+SHAPE = BenchShape()
+"""The registry's shape (``nats bench kernels``): tokens, routing heads, r, chunk."""
 CELLS = ((32768, 0.25), (32768, 1.0), (8192, 0.25), (8192, 1.0))
 DEVICE = "cuda"
 if os.environ.get("DRY_RUN"):  # a check of this script under the CPU interpreter
-    TOKENS, HEADS, DIM, CHUNK, CELLS, DEVICE = 256, 2, 32, 32, ((128, 0.5), (256, 1.0)), "cpu"
+    SHAPE = BenchShape(tokens=256, heads=2, head_dim_linear=64, chunk_size=32)
+    CELLS, DEVICE = ((128, 0.5), (256, 1.0)), "cpu"
+TOKENS, HEADS, R, CHUNK = SHAPE.tokens, SHAPE.heads, SHAPE.softmax_heads_per_head, SHAPE.chunk_size
+DIM = SHAPE.head_dim_linear // R
+"""Width of one softmax head."""
 FWD = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (128, 64, 4, 4), (64, 64, 4, 3),
        (128, 128, 8, 2), (128, 128, 8, 3), (256, 64, 8, 3)]
 BWD = [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2), (32, 64, 4, 3), (128, 64, 8, 2),
