@@ -214,10 +214,16 @@ def _number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def _choices(key: str) -> tuple[str, tuple[Any, ...]]:
+    """What the values of choice key ``key`` are called, and those allowed now."""
+    what, allowed = CHOICE_PARAMS[key]
+    return what, tuple(allowed)
+
+
 def _check_value(where: str, key: str, value: Any) -> None:
     """One value of ``params.<key>``; raises naming the key and what it may be."""
     if key in CHOICE_PARAMS:
-        what, allowed = CHOICE_PARAMS[key][0], tuple(CHOICE_PARAMS[key][1])
+        what, allowed = _choices(key)
         if isinstance(value, bool) or value not in allowed:
             raise _err(where, f"params.{key}", value, f"{what} from {allowed}")
     elif key in INT_PARAMS:
@@ -251,7 +257,7 @@ def _dim(where: str, key: str, spec: Any) -> Dim:
                        "a range {low: X, high: Y, log: true|false}")
         low, high, log = spec["low"], spec["high"], spec.get("log", False)
         if key in CHOICE_PARAMS:
-            what, allowed = CHOICE_PARAMS[key][0], tuple(CHOICE_PARAMS[key][1])
+            what, allowed = _choices(key)
             raise _err(where, f"params.{key}", dict(spec),
                        f"a list of {what} from {allowed}, not a range")
         for v in (low, high):
