@@ -91,18 +91,6 @@ def linear_op_spec(name: str) -> LinearOpSpec:
     return LINEAR_OP_SPECS[name]
 
 
-def _delta_parallel(q, k, v, g, beta, routes, chunk_size, scale, **kw: Any) -> Outputs:
-    return hybrid_gated_delta_rule(q, k, v, g, beta, routes, chunk_size, scale, **kw)
-
-
-def _delta_step(state, q, k, v, g, beta, scale, **kw: Any):
-    return gated_delta_rule_step(state, q, k, v, g, beta, scale, **kw)
-
-
-def _delta_recurrent(q, k, v, g, beta, scale) -> Outputs:
-    return gated_delta_rule_recurrent(q, k, v, g, beta, scale)
-
-
 def _gla_parallel(q, k, v, g, beta, routes, chunk_size, scale, **kw: Any) -> Outputs:
     return hybrid_gated_linear_attention(q, k, v, g, routes, chunk_size, scale, **kw)
 
@@ -127,15 +115,17 @@ def _la_recurrent(q, k, v, g, beta, scale) -> Outputs:
     return linear_attention_recurrent(q, k, v)
 
 
+# The gated delta rule's functions take the spec's arguments as they are; the others
+# adapt them to the gates their operator has.
 # FLOPs per state entry: decay 1, delta read 2, write 2, output read 2 (nats.cost_model).
 for _spec in (
     LinearOpSpec("gated_deltanet", "Gated DeltaNet", decays=True, delta=True, normaliser=False,
-                 flops_per_state_entry=7, parallel=_delta_parallel, step=_delta_step,
-                 recurrent=_delta_recurrent),
+                 flops_per_state_entry=7, parallel=hybrid_gated_delta_rule,
+                 step=gated_delta_rule_step, recurrent=gated_delta_rule_recurrent),
     # DeltaNet is the gated delta rule with g = 0 (the layers' gates give zeros).
     LinearOpSpec("deltanet", "DeltaNet", decays=False, delta=True, normaliser=False,
-                 flops_per_state_entry=6, parallel=_delta_parallel, step=_delta_step,
-                 recurrent=_delta_recurrent),
+                 flops_per_state_entry=6, parallel=hybrid_gated_delta_rule,
+                 step=gated_delta_rule_step, recurrent=gated_delta_rule_recurrent),
     LinearOpSpec("gated_linear_attention", "gated linear attention", decays=True, delta=False,
                  normaliser=False, flops_per_state_entry=5, parallel=_gla_parallel,
                  step=_gla_step, recurrent=_gla_recurrent),
