@@ -62,6 +62,9 @@ class ModelBenchConfig:
     decode_contexts: tuple[int, ...] = (8192, 32_768, 131_072)
     decode_steps: int = 128
     repeats: int = 5
+    compile: bool = False
+    """``torch.compile`` each model's training forward (as ``nats train --compile`` does);
+    prefill and decode stay eager."""
     device: str = "cuda"
 
     def __post_init__(self) -> None:
@@ -75,6 +78,8 @@ class ModelBenchConfig:
             if any(isinstance(v, bool) or not isinstance(v, int) or v < 1
                    for v in getattr(self, name)):
                 raise ValueError(f"--{name.replace('_', '-')} must be integers >= 1")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be True or False, got {self.compile!r}")
         if any(not 0 <= f <= 1 for f in self.fractions):
             raise ValueError(f"--fractions must lie in [0, 1], got {list(self.fractions)}")
         if any(not 0 < s <= 1 for s in self.layer_hybrid_shares):
@@ -82,7 +87,7 @@ class ModelBenchConfig:
         if self.n_heads * self.head_dim != self.d_model or self.head_dim % 2:
             raise ValueError(f"n_heads x head_dim must be d_model ({self.n_heads} x "
                              f"{self.head_dim} != {self.d_model}) with an even head_dim")
-        if min(self.train_lens) > self.train_tokens:
+        if self.train_lens and min(self.train_lens) > self.train_tokens:
             raise ValueError(f"--train-tokens {self.train_tokens} holds no sequence of "
                              f"{min(self.train_lens)} tokens")
 
@@ -133,11 +138,12 @@ def train_step_row(model: NatsForCausalLM, config: ModelBenchConfig, length: int
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     autocast = _autocast(device)
     model.train()
+    forward = torch.compile(model) if config.compile else model
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
         with autocast:
-            loss = model(ids, labels=ids).loss
+            loss = forward(ids, labels=ids).loss
         loss.backward()
         optimizer.step()
 

@@ -184,7 +184,8 @@ def _bench_model(args: argparse.Namespace) -> int:
         fractions=tuple(args.fractions), layer_hybrid_shares=tuple(args.layer_hybrid_shares),
         train_lens=tuple(args.train_lens), train_tokens=args.train_tokens,
         prefill_lens=tuple(args.prefill_lens), decode_contexts=tuple(args.decode_contexts),
-        decode_steps=args.decode_steps, repeats=args.repeats, device=args.device)
+        decode_steps=args.decode_steps, repeats=args.repeats, compile=args.compile,
+        device=args.device)
     report = run_model_benchmark(config, args.out)
     print(ratio_table(report))
     print(f"nats: wrote {args.out}")
@@ -393,8 +394,11 @@ def _add_bench_model(bench_sub: argparse._SubParsersAction) -> None:
         model.add_argument(f"--{name.replace('_', '-')}", type=float, nargs="+",
                            default=list(getattr(d, name)))
     for name in ("train_lens", "prefill_lens", "decode_contexts"):
-        model.add_argument(f"--{name.replace('_', '-')}", type=int, nargs="+",
-                           default=list(getattr(d, name)))
+        model.add_argument(f"--{name.replace('_', '-')}", type=int, nargs="*",
+                           default=list(getattr(d, name)), help="none: skip this measure")
+    model.add_argument("--compile", action="store_true",
+                       help="torch.compile each model's training forward, as nats train "
+                            "--compile does")
     model.add_argument("--device", default=d.device, help="cuda (the figures) or cpu (a check)")
     model.add_argument("--out", type=Path, default=Path("bench/model.json"))
     model.set_defaults(func=_bench_model)

@@ -56,3 +56,16 @@ def test_the_command_and_its_refusals(tmp_path: Path, capsys) -> None:
     assert "n_heads x head_dim must be d_model" in capsys.readouterr().err
     assert main([*args, "--fractions", "1.5"]) == 2
     assert "--fractions must lie in [0, 1]" in capsys.readouterr().err
+
+
+def test_a_measure_given_no_lengths_is_skipped(tmp_path: Path) -> None:
+    out = tmp_path / "m.json"
+    assert main(["bench", "model", "--device", "cpu", "--d-model", "32", "--n-layers", "2",
+                 "--n-heads", "2", "--head-dim", "16", "--vocab-size", "64", "--fractions",
+                 "0.25", "--layer-hybrid-shares", "0.5", "--train-lens", "32", "--train-tokens",
+                 "32", "--prefill-lens", "--decode-contexts", "--repeats", "1", "--out",
+                 str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["measure"] for r in rows} == {"train"} and len(rows) == 4
+    with pytest.raises(ValueError, match="compile must be True or False"):
+        ModelBenchConfig(**{**SMALL, "compile": "yes"})
