@@ -7,11 +7,15 @@ token-by-token oracles come from :mod:`.reference`.
 
 from .ops import (
     BACKENDS,
+    Backend,
     hybrid_gated_delta_rule,
     hybrid_gated_linear_attention,
     hybrid_linear_attention,
     hybrid_softmax_attention,
+    l2_norm,
+    merge_branches,
     resolve_backend,
+    rms_norm,
 )
 from .reference import (
     CHUNK_SIZES,
@@ -37,6 +41,7 @@ __all__ = [
     "CHUNK_SIZES",
     "LINEAR",
     "SOFTMAX",
+    "Backend",
     "causal_softmax_attention",
     "causal_softmax_attention_recurrent",
     "gated_delta_rule",
@@ -51,8 +56,11 @@ __all__ = [
     "hybrid_linear_attention_recurrent",
     "hybrid_softmax_attention",
     "hybrid_softmax_attention_recurrent",
+    "l2_norm",
     "linear_attention",
     "linear_attention_recurrent",
+    "merge_branches",
     "num_chunks",
     "resolve_backend",
+    "rms_norm",
 ]

@@ -13,6 +13,9 @@ import torch
 from . import reference
 from .reference.chunks import RouteGrad
 from .reference.linear_attention import normalised_linear_attention
+from .reference.norms import l2_norm as _l2_norm_reference
+from .reference.norms import merge_branches as _merge_branches_reference
+from .reference.norms import rms_norm as _rms_norm_reference
 
 Backend = Literal["auto", "reference", "triton"]
 BACKENDS = ("auto", "reference", "triton")
@@ -93,3 +96,41 @@ def hybrid_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return normalised_linear_attention(gla, q, k, v, routes, chunk_size, initial_state,
                                        output_final_state, eps=eps, route_grad=route_grad,
                                        cu_seqlens=cu_seqlens, width_multiple=aligned)
+
+
+def _norm_backend(backend: Backend, x: torch.Tensor) -> bool:
+    """Whether a row norm (or the merge) runs its Triton kernel: not for float64 (exact
+    tests), and not under ``torch.compile``, which fuses the plain form with its neighbours
+    instead."""
+    return (resolve_backend(backend, x) == "triton" and x.dtype != torch.float64
+            and not torch.compiler.is_compiling())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, *,
+             backend: Backend = "auto") -> torch.Tensor:
+    """RMS normalisation of the last dimension; see :func:`reference.norms.rms_norm`."""
+    if not _norm_backend(backend, x):
+        return _rms_norm_reference(x, weight, eps)
+    from .triton.norms import rms_norm as fused
+
+    return fused(x, weight, eps)
+
+
+def l2_norm(x: torch.Tensor, eps: float = 1e-6, *, backend: Backend = "auto") -> torch.Tensor:
+    """L2 normalisation of the last dimension; see :func:`reference.norms.l2_norm`."""
+    if not _norm_backend(backend, x):
+        return _l2_norm_reference(x, eps)
+    from .triton.norms import l2_norm as fused
+
+    return fused(x, eps)
+
+
+def merge_branches(a: torch.Tensor, b: torch.Tensor, weights: torch.Tensor,
+                   gamma: torch.Tensor, eps: float, norm_a: bool, norm_b: bool,
+                   out_dtype: torch.dtype, *, backend: Backend = "auto") -> torch.Tensor:
+    """The NAtS-L merge of two branches; see :func:`reference.norms.merge_branches`."""
+    if not _norm_backend(backend, a):
+        return _merge_branches_reference(a, b, weights, gamma, eps, norm_a, norm_b, out_dtype)
+    from .triton.norms import merge_branches as fused
+
+    return fused(a, b, weights, gamma, eps, norm_a, norm_b, out_dtype)

@@ -55,9 +55,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: NatsConfig, kind: str) -> None:
         super().__init__()
-        self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.backend)
         self.mixer = MIXERS[kind](cfg)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.backend)
         self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, LayerRouting | None]:
@@ -89,6 +89,12 @@ class CausalLMOutput:
     routable_frac: list[torch.Tensor | None] = field(default_factory=list)
 
 
+def _check_labels(labels: torch.Tensor) -> None:
+    if not (labels[:, 1:] != IGNORE_INDEX).any():
+        raise ValueError("labels hold no position with a loss (every next-token label is "
+                         f"{IGNORE_INDEX}): the mean cross-entropy is undefined")
+
+
 class NatsForCausalLM(nn.Module):
     """A causal language model whose mixers are NAtS-L supernet layers or baselines."""
 
@@ -97,7 +103,7 @@ class NatsForCausalLM(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList(Block(config, kind) for kind in config.layer_types)
-        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.norm = RMSNorm(config.d_model, config.norm_eps, config.backend)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.apply(self._init_weights)
         if config.tie_embeddings:
@@ -132,6 +138,8 @@ class NatsForCausalLM(nn.Module):
                 ) -> CausalLMOutput:
         """Logits for every position; with ``labels`` (same shape, shifted inside, -100
         ignored) also ``loss = cross-entropy + mean over NAtS layers of the cost term``."""
+        if labels is not None:  # checked first: reading the answer waits for the GPU
+            _check_labels(labels)
         x = self.embed(input_ids)
         routings = []
         for block in self.blocks:
@@ -150,9 +158,6 @@ class NatsForCausalLM(nn.Module):
         regs = [r.reg for r in routings if r is not None]
         out.reg_loss = torch.stack(regs).mean() if regs else logits.new_zeros(())
         if labels is not None:
-            if not (labels[:, 1:] != IGNORE_INDEX).any():
-                raise ValueError("labels hold no position with a loss (every next-token label "
-                                 f"is {IGNORE_INDEX}): the mean cross-entropy is undefined")
             out.ce_loss = next_token_cross_entropy(logits, labels)
             out.loss = out.ce_loss + out.reg_loss
         return out

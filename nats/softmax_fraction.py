@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nats.kernels import SOFTMAX
+from nats.kernels.reference.chunks import chunk_token_counts
 
 if TYPE_CHECKING:
     from nats import NatsForCausalLM
@@ -55,15 +56,6 @@ class LayerFraction:
         if not any(self.softmax_tokens):
             return ALL_LINEAR
         return MIXED
-
-
-def chunk_token_counts(seq_len: int, chunk_size: int,
-                       device: torch.device | str | None = None) -> torch.Tensor:
-    """Tokens in each chunk of a sequence: ``chunk_size`` each, the last one what is left."""
-    n = -(-seq_len // chunk_size)
-    counts = torch.full((n,), chunk_size, dtype=torch.long, device=device)
-    counts[-1] = seq_len - (n - 1) * chunk_size
-    return counts
 
 
 def softmax_fraction(routes: torch.Tensor, seq_len: int, chunk_size: int) -> torch.Tensor:

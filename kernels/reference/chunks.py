@@ -29,6 +29,18 @@ def chunk_ids(seq_len: int, chunk_size: int, device: torch.device | None = None)
     return torch.arange(seq_len, device=device) // chunk_size
 
 
+def chunk_token_counts(seq_len: int, chunk_size: int,
+                       device: torch.device | str | None = None) -> torch.Tensor:
+    """Tokens in each chunk of a sequence, ``[N]`` (long): ``chunk_size`` each, the last one
+    what is left.
+
+    Computed on ``device``: writing the last count in from the host would copy a scalar
+    to the GPU, which waits for the GPU to finish its queued work, in every forward.
+    """
+    starts = torch.arange(num_chunks(seq_len, chunk_size), device=device) * chunk_size
+    return (seq_len - starts).clamp_(max=chunk_size)
+
+
 def check_chunk_size(chunk_size: int) -> None:
     if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")

@@ -12,9 +12,9 @@ from torch import nn
 
 from nats.cache import LinearLayerCache
 from nats.config import NatsConfig
+from nats.kernels import rms_norm
 
 from .linear_ops import LinearOperator
-from .norms import rms_norm
 from .projections import GatedOutput, QKVProjection
 
 
@@ -33,7 +33,7 @@ class LinearLayer(nn.Module):
     def _mix(self, x: torch.Tensor, qkv):
         o, state = self.linear.parallel(*self.linear.features(*qkv), self.gates(x),
                                         output_final_state=True)
-        return self.out(rms_norm(o, self.cfg.norm_eps), x), state
+        return self.out(rms_norm(o, eps=self.cfg.norm_eps, backend=self.cfg.backend), x), state
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
         return self._mix(x, self.qkv(x))[0], None
@@ -49,7 +49,8 @@ class LinearLayer(nn.Module):
         q, k, v = self.linear.features(*self.qkv.step(x, cache.conv))
         o, _ = self.linear.step(cache.state, q[:, 0], k[:, 0], v[:, 0],
                                 self.gates(x).window(0), out=cache.state)
-        return self.out(rms_norm(o[:, None].to(x.dtype), self.cfg.norm_eps), x)
+        return self.out(rms_norm(o[:, None].to(x.dtype), eps=self.cfg.norm_eps,
+                                 backend=self.cfg.backend), x)
 
     def advance(self, cache: LinearLayerCache, position: int) -> None:
         """Nothing to do between steps: the state is all there is."""

@@ -39,10 +39,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from nats.config import NatsConfig
-from nats.kernels import num_chunks
+from nats.kernels import l2_norm, num_chunks
 from nats.kernels.linear_ops import LinearOpSpec, linear_op_spec
 
-from .norms import l2_norm, upcast
+from .norms import upcast
 from .routing import forced_routes
 
 
@@ -72,10 +72,17 @@ class LinearGates(nn.Module):
         self.n_heads = n_heads
         if decay:
             self.a_proj = nn.Linear(d_model, n_heads, bias=False)
-            # Decay rates spread over heads and time steps in [1e-3, 1e-1], as in Mamba2/GDN.
-            self.A_log = nn.Parameter(torch.log(torch.linspace(1.0, 16.0, n_heads)))
-            dt = torch.exp(torch.linspace(math.log(1e-3), math.log(1e-1), n_heads))
-            self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+            self.A_log = nn.Parameter(torch.empty(n_heads))
+            self.dt_bias = nn.Parameter(torch.empty(n_heads))
+            # Made on the parameters' device (meta for a model built without memory), not
+            # left to the default device: a library may have replaced torch.linspace.
+            with torch.no_grad():
+                # Decay rates spread over heads and time steps in [1e-3, 1e-1], as in GDN.
+                self.A_log.copy_(torch.log(torch.linspace(1.0, 16.0, n_heads,
+                                                          device=self.A_log.device)))
+                dt = torch.exp(torch.linspace(math.log(1e-3), math.log(1e-1), n_heads,
+                                              device=self.dt_bias.device))
+                self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
         if write:
             self.b_proj = nn.Linear(d_model, n_heads, bias=False)
 
@@ -135,7 +142,7 @@ class LinearOperator:
         q, k, v = q.view(shape), k.view(shape), v.view(shape)
         if self.spec.normaliser:
             return q, k, v
-        return l2_norm(q), l2_norm(k), v
+        return l2_norm(q, backend=self.backend), l2_norm(k, backend=self.backend), v
 
     def initial_state(self, batch: int, device: torch.device) -> torch.Tensor:
         """The empty float32 state ``[B, H, Dk, state_width]``."""

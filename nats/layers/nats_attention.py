@@ -17,13 +17,13 @@ from torch import nn
 
 from nats.cache import NatsLayerCache
 from nats.config import NatsConfig
-from nats.kernels import SOFTMAX, hybrid_softmax_attention
+from nats.kernels import SOFTMAX, hybrid_softmax_attention, merge_branches
 from nats.kernels.decode import hybrid_attention_decode
 from nats.kernels.streams import concurrently
 
 from ..softmax_fraction import softmax_fraction
 from .linear_ops import LinearOperator, TokenGates
-from .norms import RMSNorm, rms_norm, upcast
+from .norms import RMSNorm, upcast
 from .projections import GatedOutput, QKVProjection
 from .rotary import apply_rotary
 from .routing import (
@@ -65,8 +65,8 @@ class NatsAttention(nn.Module):
         h, r = cfg.n_heads, cfg.softmax_heads_per_head
         self.qkv = QKVProjection(cfg.d_model, (h * cfg.head_dim_k, h * cfg.head_dim_k,
                                                h * cfg.head_dim_v), cfg.conv_size)
-        self.q_norm = RMSNorm(cfg.softmax_head_dim_k, cfg.norm_eps)
-        self.k_norm = RMSNorm(cfg.softmax_head_dim_k, cfg.norm_eps)
+        self.q_norm = RMSNorm(cfg.softmax_head_dim_k, cfg.norm_eps, cfg.backend)
+        self.k_norm = RMSNorm(cfg.softmax_head_dim_k, cfg.norm_eps, cfg.backend)
         self.linear = LinearOperator.from_config(cfg)
         self.gates = self.linear.gates(cfg.d_model)
         self.scorer = ChunkScorer(cfg.d_model, h, norm=cfg.scorer_norm,
@@ -113,12 +113,10 @@ class NatsAttention(nn.Module):
         cfg = self.cfg
         heads = cfg.n_heads * cfg.softmax_heads_per_head
         w = F.softmax(upcast(self.mix(q).view(*q.shape[:2], heads, 2)), -1)
-        o_la = o_la.reshape(*o_sm.shape)
-        if cfg.branch_norm != "none":
-            o_la = rms_norm(o_la, cfg.norm_eps)
-        if cfg.branch_norm == "both":
-            o_sm = rms_norm(o_sm, cfg.norm_eps)
-        return self.out(w[..., :1] * upcast(o_la) + w[..., 1:] * upcast(o_sm), x)
+        y = merge_branches(o_la.reshape(*o_sm.shape), o_sm, w, self.out.gamma, cfg.norm_eps,
+                           norm_a=cfg.branch_norm != "none", norm_b=cfg.branch_norm == "both",
+                           out_dtype=x.dtype, backend=cfg.backend)
+        return self.out.project(y, x)
 
     # -- parallel form ---------------------------------------------------------------------
 

@@ -51,7 +51,10 @@ class GatedOutput(nn.Module):
         self.out = nn.Linear(heads * head_dim, d_model, bias=False)
 
     def forward(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        y = y.to(x.dtype) * self.gamma
+        return self.project(y.to(x.dtype) * self.gamma, x)
+
+    def project(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The output of ``y`` already scaled by ``gamma`` (the NAtS-L merge applies it)."""
         if hasattr(self, "gate"):
             y = y * F.silu(self.gate(x)).view(*x.shape[:-1], self.heads, self.head_dim)
         return self.out(y.flatten(-2))

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nats.kernels.reference.chunks import num_chunks
+from nats.kernels.reference.chunks import chunk_token_counts, num_chunks
 
 from .norms import upcast
 
@@ -31,8 +31,7 @@ def chunk_mean_pool(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
     batch, seq_len, dim = x.shape
     n = num_chunks(seq_len, chunk_size)
     padded = F.pad(x, (0, 0, 0, n * chunk_size - seq_len)).view(batch, n, chunk_size, dim)
-    counts = torch.full((n,), float(chunk_size), device=x.device, dtype=x.dtype)
-    counts[-1] = seq_len - (n - 1) * chunk_size
+    counts = chunk_token_counts(seq_len, chunk_size, x.device).to(x.dtype)
     return padded.sum(2) / counts[None, :, None]
 
 

@@ -34,7 +34,8 @@ class SoftmaxAttention(nn.Module):
         dk, dv = cfg.softmax_head_dim_k, cfg.softmax_head_dim_v
         self.dims = (self.heads * dk, self.heads * dk, self.heads * dv)
         self.qkv = QKVProjection(cfg.d_model, self.dims, cfg.conv_size)
-        self.q_norm, self.k_norm = RMSNorm(dk, cfg.norm_eps), RMSNorm(dk, cfg.norm_eps)
+        self.q_norm, self.k_norm = (RMSNorm(dk, cfg.norm_eps, cfg.backend),
+                                     RMSNorm(dk, cfg.norm_eps, cfg.backend))
         self.out = nn.Linear(self.heads * dv, cfg.d_model, bias=False)
 
     def _heads(self, x: torch.Tensor, qkv: tuple[torch.Tensor, ...],

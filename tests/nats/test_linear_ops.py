@@ -14,7 +14,7 @@ from nats import ConfigError, NatsConfig, NatsForCausalLM
 from nats.config import LINEAR_OPS
 from nats.kernels import hybrid_softmax_attention
 from nats.kernels.linear_ops import LINEAR_OP_SPECS, register_linear_op, registered
-from nats.layers.norms import l2_norm, rms_norm
+from nats.kernels.reference.norms import l2_norm, rms_norm
 
 from .models import rel_err, tiny_config, tiny_model
 from .test_decoding import decode_logits
@@ -101,7 +101,7 @@ def test_all_linear_nats_branch_is_the_plain_layers_operator(linear_op):
             if "b_proj.weight" in gate_parameters(linear_op) else None)
     o = _oracle(linear_op, q, k, v, g, beta)
 
-    assert rel_err(plain(x)[0], plain.out(rms_norm(o, cfg.norm_eps), x)) < 1e-12
+    assert rel_err(plain(x)[0], plain.out(rms_norm(o, eps=cfg.norm_eps), x)) < 1e-12
     y, routing = nats(x)
     assert routing.routes[..., 0].sum() == 0
     qs, ks, vs = nats._softmax_heads(*nats.qkv(x), 0)

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from nats.kernels import hybrid_gated_delta_rule, hybrid_softmax_attention
-from nats.layers.norms import l2_norm, rms_norm
+from nats.kernels.reference.norms import l2_norm, rms_norm
 from nats.layers.routing import chunk_mean_pool, forced_routes, sample_routes
 
 from .models import rel_err, tiny_model
@@ -36,8 +36,8 @@ def test_layer_matches_its_definition_written_out():
     b = torch.sigmoid(layer.gates.b_proj(x))
     o_la, _ = hybrid_gated_delta_rule(l2_norm(lin(q)), l2_norm(lin(k)), lin(v), a, b, routes, 16)
     w = torch.softmax(layer.mix(q).view(2, 45, h * r, 2), -1)
-    merged = w[..., :1] * rms_norm(sm(o_la), cfg.norm_eps) + w[..., 1:] * rms_norm(o_sm,
-                                                                                    cfg.norm_eps)
+    merged = (w[..., :1] * rms_norm(sm(o_la), eps=cfg.norm_eps)
+              + w[..., 1:] * rms_norm(o_sm, eps=cfg.norm_eps))
     gate = F.silu(layer.out.gate(x)).view(2, 45, h * r, -1)
     expected = layer.out.out((merged * layer.out.gamma * gate).flatten(-2))
     assert rel_err(y, expected) < 1e-12

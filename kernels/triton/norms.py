@@ -1,0 +1,250 @@
+"""Row normalisations in Triton: one launch forward, one (plus a column sum for the
+weight) backward, where the plain PyTorch form takes about seven forward and a dozen
+backward launches and upcasts the whole tensor to float32 in memory.
+
+Same contract as :mod:`nats.kernels.reference.norms`: float32 arithmetic, output in the
+input's dtype. ``x`` may be a strided view (a head slice of a fused projection) as long
+as its rows form a ``[outer, inner]`` grid of uniform strides with a contiguous last
+dimension; otherwise it is copied first.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .utils import empty
+
+
+@triton.jit
+def _row_norm_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, inner, stride_outer, stride_inner,
+                  dim, eps, divisor,
+                  HAS_WEIGHT: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < n_rows
+    mask = row_ok[:, None] & (cols[None, :] < dim)
+    src = (rows // inner).to(tl.int64) * stride_outer + (rows % inner).to(tl.int64) * stride_inner
+    x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / divisor + eps)
+    y = x * rstd[:, None]
+    if HAS_WEIGHT:
+        y = y * tl.load(w_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)[None, :]
+    dst = rows.to(tl.int64)[:, None] * dim + cols[None, :]
+    tl.store(y_ptr + dst, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _row_norm_bwd(x_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_ptr, n_rows, inner, stride_outer,
+                  stride_inner, dim, divisor,
+                  HAS_WEIGHT: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    # y = x r w with r = (sum(x^2) / divisor + eps)^-1/2, so with g = dy w and xh = x r:
+    # dx = r (g - xh sum(g xh) / divisor), dw = sum over rows of dy xh.
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < n_rows
+    col_ok = cols < dim
+    mask = row_ok[:, None] & col_ok[None, :]
+    src = (rows // inner).to(tl.int64) * stride_outer + (rows % inner).to(tl.int64) * stride_inner
+    x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+    dense = rows.to(tl.int64)[:, None] * dim + cols[None, :]
+    dy = tl.load(dy_ptr + dense, mask=mask, other=0.0).to(tl.float32)
+    xh = x * rstd[:, None]
+    g = dy
+    if HAS_WEIGHT:
+        g = dy * tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(dw_ptr + pid * dim + cols, tl.sum(dy * xh, axis=0), mask=col_ok)
+    dx = rstd[:, None] * (g - xh * (tl.sum(g * xh, axis=1) / divisor)[:, None])
+    tl.store(dx_ptr + dense, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """``x`` with its rows as an ``[outer, inner]`` grid: (tensor, inner, strides)."""
+    if x.dim() < 2 or x.stride(-1) != 1:
+        x = x.contiguous()
+    grid = x.view(-1, x.shape[-1]) if x.is_contiguous() else None
+    if grid is not None:
+        return x, 1, x.shape[-1], 0
+    try:
+        grid = x.view(-1, x.shape[-2], x.shape[-1])
+    except RuntimeError:  # leading dimensions do not merge: copy once
+        x = x.contiguous()
+        return x, 1, x.shape[-1], 0
+    return x, grid.shape[1], grid.stride(0), grid.stride(1)
+
+
+def _launch_shape(dim: int) -> tuple[int, int]:
+    block_d = triton.next_power_of_2(dim)
+    return max(1, min(64, 4096 // block_d)), block_d
+
+
+class _RowNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                divisor: float) -> torch.Tensor:
+        x, inner, s_outer, s_inner = _rows(x)
+        dim = x.shape[-1]
+        n_rows = x.numel() // dim
+        block_rows, block_d = _launch_shape(dim)
+        y = empty(*x.shape, dtype=x.dtype, device=x.device)
+        rstd = empty(n_rows, dtype=torch.float32, device=x.device)
+        _row_norm_fwd[(triton.cdiv(n_rows, block_rows),)](
+            x, weight if weight is not None else x, y, rstd, n_rows, inner, s_outer, s_inner,
+            dim, eps, divisor, HAS_WEIGHT=weight is not None, BLOCK_ROWS=block_rows,
+            BLOCK_D=block_d)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.layout, ctx.divisor = (inner, s_outer, s_inner), divisor
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        inner, s_outer, s_inner = ctx.layout
+        dim = x.shape[-1]
+        n_rows = rstd.numel()
+        block_rows, block_d = _launch_shape(dim)
+        programs = triton.cdiv(n_rows, block_rows)
+        dx = empty(*x.shape, dtype=x.dtype, device=x.device)
+        dw = None if weight is None else empty(programs, dim, dtype=torch.float32,
+                                               device=x.device)
+        _row_norm_bwd[(programs,)](
+            x, weight if weight is not None else x, rstd, dy.contiguous(), dx,
+            dw if dw is not None else rstd, n_rows, inner, s_outer, s_inner, dim, ctx.divisor,
+            HAS_WEIGHT=weight is not None, BLOCK_ROWS=block_rows, BLOCK_D=block_d)
+        dw = None if dw is None else dw.sum(0).to(weight.dtype)
+        return dx, dw, None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None,
+             eps: float = 1e-6) -> torch.Tensor:
+    """See :func:`nats.kernels.reference.norms.rms_norm`."""
+    return _RowNorm.apply(x, weight, eps, float(x.shape[-1]))
+
+
+def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """See :func:`nats.kernels.reference.norms.l2_norm`."""
+    return _RowNorm.apply(x, None, eps, 1.0)
+
+
+@triton.jit
+def _merge_fwd(a_ptr, b_ptr, w_ptr, gamma_ptr, y_ptr, ra_ptr, rb_ptr, n_rows, dim, eps,
+               NORM_A: tl.constexpr, NORM_B: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < n_rows
+    col_ok = cols < dim
+    mask = row_ok[:, None] & col_ok[None, :]
+    dense = rows.to(tl.int64)[:, None] * dim + cols[None, :]
+    a = tl.load(a_ptr + dense, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + dense, mask=mask, other=0.0).to(tl.float32)
+    if NORM_A:
+        ra = 1.0 / tl.sqrt(tl.sum(a * a, axis=1) / dim + eps)
+        a = a * ra[:, None]
+        tl.store(ra_ptr + rows, ra, mask=row_ok)
+    if NORM_B:
+        rb = 1.0 / tl.sqrt(tl.sum(b * b, axis=1) / dim + eps)
+        b = b * rb[:, None]
+        tl.store(rb_ptr + rows, rb, mask=row_ok)
+    wa = tl.load(w_ptr + rows * 2, mask=row_ok, other=0.0)
+    wb = tl.load(w_ptr + rows * 2 + 1, mask=row_ok, other=0.0)
+    gamma = tl.load(gamma_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    y = (wa[:, None] * a + wb[:, None] * b) * gamma[None, :]
+    tl.store(y_ptr + dense, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _merge_bwd(a_ptr, b_ptr, w_ptr, gamma_ptr, ra_ptr, rb_ptr, dy_ptr, da_ptr, db_ptr, dw_ptr,
+               dgamma_ptr, n_rows, dim,
+               NORM_A: tl.constexpr, NORM_B: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    # With g = dy gamma: d(w_a) = sum(g a_hat), d(a_hat) = w_a g, and through the norm
+    # da = r (d(a_hat) - a_hat sum(d(a_hat) a_hat) / D); dgamma = sum over rows of dy m,
+    # m the merged rows before gamma.
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < n_rows
+    col_ok = cols < dim
+    mask = row_ok[:, None] & col_ok[None, :]
+    dense = rows.to(tl.int64)[:, None] * dim + cols[None, :]
+    a = tl.load(a_ptr + dense, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + dense, mask=mask, other=0.0).to(tl.float32)
+    if NORM_A:
+        ra = tl.load(ra_ptr + rows, mask=row_ok, other=0.0)
+        a = a * ra[:, None]
+    if NORM_B:
+        rb = tl.load(rb_ptr + rows, mask=row_ok, other=0.0)
+        b = b * rb[:, None]
+    wa = tl.load(w_ptr + rows * 2, mask=row_ok, other=0.0)
+    wb = tl.load(w_ptr + rows * 2 + 1, mask=row_ok, other=0.0)
+    gamma = tl.load(gamma_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + dense, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dgamma_ptr + pid * dim + cols,
+             tl.sum(dy * (wa[:, None] * a + wb[:, None] * b), axis=0), mask=col_ok)
+    g = dy * gamma[None, :]
+    tl.store(dw_ptr + rows * 2, tl.sum(g * a, axis=1), mask=row_ok)
+    tl.store(dw_ptr + rows * 2 + 1, tl.sum(g * b, axis=1), mask=row_ok)
+    da = wa[:, None] * g
+    db = wb[:, None] * g
+    if NORM_A:
+        da = ra[:, None] * (da - a * (tl.sum(da * a, axis=1) / dim)[:, None])
+    if NORM_B:
+        db = rb[:, None] * (db - b * (tl.sum(db * b, axis=1) / dim)[:, None])
+    tl.store(da_ptr + dense, da.to(da_ptr.dtype.element_ty), mask=mask)
+    tl.store(db_ptr + dense, db.to(db_ptr.dtype.element_ty), mask=mask)
+
+
+class _Merge(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, weights: torch.Tensor,
+                gamma: torch.Tensor, eps: float, norm_a: bool, norm_b: bool,
+                out_dtype: torch.dtype) -> torch.Tensor:
+        weights_dtype = weights.dtype
+        a, b, weights = a.contiguous(), b.contiguous(), weights.float().contiguous()
+        dim = a.shape[-1]
+        n_rows = a.numel() // dim
+        block_rows, block_d = _launch_shape(dim)
+        y = empty(*a.shape, dtype=out_dtype, device=a.device)
+        ra, rb = (empty(n_rows, dtype=torch.float32, device=a.device) if norm else weights
+                  for norm in (norm_a, norm_b))
+        _merge_fwd[(triton.cdiv(n_rows, block_rows),)](
+            a, b, weights, gamma, y, ra, rb, n_rows, dim, eps, NORM_A=norm_a, NORM_B=norm_b,
+            BLOCK_ROWS=block_rows, BLOCK_D=block_d)
+        ctx.save_for_backward(a, b, weights, gamma, ra, rb)
+        ctx.norms, ctx.weights_dtype = (norm_a, norm_b), weights_dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        a, b, weights, gamma, ra, rb = ctx.saved_tensors
+        norm_a, norm_b = ctx.norms
+        dim = a.shape[-1]
+        n_rows = a.numel() // dim
+        block_rows, block_d = _launch_shape(dim)
+        programs = triton.cdiv(n_rows, block_rows)
+        da = empty(*a.shape, dtype=a.dtype, device=a.device)
+        db = empty(*b.shape, dtype=b.dtype, device=b.device)
+        dw = empty(*weights.shape, dtype=torch.float32, device=a.device)
+        dgamma = empty(programs, dim, dtype=torch.float32, device=a.device)
+        _merge_bwd[(programs,)](
+            a, b, weights, gamma, ra, rb, dy.contiguous(), da, db, dw, dgamma, n_rows, dim,
+            NORM_A=norm_a, NORM_B=norm_b, BLOCK_ROWS=block_rows, BLOCK_D=block_d)
+        return (da, db, dw.to(ctx.weights_dtype), dgamma.sum(0).to(gamma.dtype), None, None, None,
+                None)
+
+
+def merge_branches(a: torch.Tensor, b: torch.Tensor, weights: torch.Tensor,
+                   gamma: torch.Tensor, eps: float, norm_a: bool, norm_b: bool,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """See :func:`nats.kernels.reference.norms.merge_branches`."""
+    if a.shape != b.shape or weights.shape != (*a.shape[:-1], 2) \
+            or gamma.shape != a.shape[-1:]:
+        raise ValueError(f"merge_branches needs a, b [..., D], weights [..., 2], gamma [D]; "
+                         f"got {list(a.shape)}, {list(b.shape)}, {list(weights.shape)}, "
+                         f"{list(gamma.shape)}")
+    return _Merge.apply(a, b, weights, gamma, eps, norm_a, norm_b, out_dtype)
