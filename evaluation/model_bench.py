@@ -114,11 +114,11 @@ class Variant:
 def variants(config: ModelBenchConfig) -> list[Variant]:
     n = config.n_layers
     out = [Variant("transformer", ("softmax",) * n, None, 1.0),
-           Variant("all-linear", ("gdn",) * n, None, 0.0)]
+           Variant("all-linear", ("linear",) * n, None, 0.0)]
     out += [Variant(f"nats@{f:g}", ("nats",) * n, f, f) for f in config.fractions]
     for share in config.layer_hybrid_shares:
         every = max(1, round(1 / share))
-        types = tuple("softmax" if (i + 1) % every == 0 else "gdn" for i in range(n))
+        types = tuple("softmax" if (i + 1) % every == 0 else "linear" for i in range(n))
         out.append(Variant(f"layer-hybrid@{share:g}", types, None,
                            types.count("softmax") / n))
     return out

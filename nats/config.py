@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from nats.kernels.linear_ops import LINEAR_OP_SPECS
 from nats.kernels.reference.chunks import CHUNK_SIZES, ROUTE_GRADS
 
-LAYER_TYPES = ("nats", "gdn", "softmax")
-"""A "gdn" layer is the plain linear layer; its operator is ``linear_op`` (the type keeps
-the name it had when Gated DeltaNet was the only one, so saved configs still load)."""
+LAYER_TYPES = ("nats", "linear", "softmax")
+"""A "linear" layer is the plain linear-attention layer; its operator is ``linear_op``."""
+LAYER_TYPE_ALIASES = {"gdn": "linear"}
+"""Old spellings a config may still use (deprecated): "gdn" named the plain linear layer
+while Gated DeltaNet was its only operator. Configs turn them into the current name."""
 LINEAR_OPS = tuple(LINEAR_OP_SPECS)
 """The built-in operators of the linear branch of NAtS-L layers and of plain linear layers;
 ``linear_op`` accepts any registered one (``nats.kernels.linear_ops``)."""
@@ -34,12 +37,22 @@ SCORER_INITS = ("normal", "zero")
 every chunk starts undecided, so no early content-blind preference is baked in."""
 BUDGET_SCOPES = ("layer", "model")
 """What ``softmax_target`` holds to: each NAtS-L layer's softmax fraction, or their mean."""
-LAYER_LISTS = {"softmax_layers": "softmax", "linear_layers": "gdn", "hybrid_layers": "nats"}
+LAYER_LISTS = {"softmax_layers": "softmax", "linear_layers": "linear", "hybrid_layers": "nats"}
 """Keys of the layer-index lists that ``to_dict`` derives from ``layer_types``, so that a
 reader that knows no NAtS-L finds the softmax layers as a plain list of indices."""
 HF_KEYS: dict[str, Any] = {"model_type": "nats", "architectures": ["NatsHFForCausalLM"]}
 """What ``NatsForCausalLM.save_pretrained`` adds to ``config.json`` so that ``transformers``'
 Auto classes find the model (``nats.hf``); ``from_dict`` checks the type and drops both."""
+
+
+def canonical_layer_type(kind: Any) -> Any:
+    """``kind`` under its current name (``LAYER_TYPE_ALIASES``; a DeprecationWarning says
+    so); anything else unchanged, for the caller's check to refuse."""
+    if isinstance(kind, str) and kind in LAYER_TYPE_ALIASES:
+        warnings.warn(f"layer type {kind!r} is deprecated: use "
+                      f"{LAYER_TYPE_ALIASES[kind]!r}", DeprecationWarning, stacklevel=3)
+        return LAYER_TYPE_ALIASES[kind]
+    return kind
 
 
 class ConfigError(ValueError):
@@ -53,7 +66,7 @@ class NatsConfig:
     ``n_heads`` routing heads each own one linear head of width ``head_dim_k`` /
     ``head_dim_v`` and ``softmax_heads_per_head`` softmax heads that split those
     channels (NATSL.md). ``layer_types`` gives each layer's mixer; ``linear_op`` the
-    linear-attention operator of every NAtS-L linear branch and every "gdn" layer.
+    linear-attention operator of every NAtS-L linear branch and every "linear" layer.
     """
 
     vocab_size: int = 256
@@ -73,7 +86,7 @@ class NatsConfig:
     chunk_size: int = 32
     """Tokens per routing chunk (``CHUNK_SIZES``)."""
     layer_types: tuple[str, ...] = ("nats", "nats")
-    """Each layer's mixer: ``nats``, ``gdn`` (linear, ``linear_op``) or ``softmax``."""
+    """Each layer's mixer: ``nats``, ``linear`` (the operator ``linear_op``) or ``softmax``."""
     sampler: str = "argmax"
     """How logits become routes in training: ``argmax`` or hard ``gumbel``."""
     gumbel_tau: float = 1.0
@@ -132,14 +145,15 @@ class NatsConfig:
     """Operator implementation: ``auto`` (Triton on CUDA, else the PyTorch reference),
     ``triton`` or ``reference``."""
     linear_op: str = "gated_deltanet"
-    """The linear-attention operator of NAtS-L linear branches and ``gdn`` layers
+    """The linear-attention operator of NAtS-L linear branches and ``linear`` layers
     (``LINEAR_OPS``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.layer_types, (list, tuple)):
             _fail("layer_types", self.layer_types,
                   f"a list of n_layers={self.n_layers} entries from {LAYER_TYPES}")
-        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        object.__setattr__(self, "layer_types",
+                           tuple(canonical_layer_type(k) for k in self.layer_types))
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "softmax_heads_per_head",
                      "head_dim_k", "head_dim_v", "conv_size"):
             value = getattr(self, name)
@@ -207,7 +221,8 @@ class NatsConfig:
         return LINEAR_OP_SPECS[self.linear_op].title
 
     def layers_of(self, kind: str) -> tuple[int, ...]:
-        """Indices of the layers of type ``kind`` ("nats", "gdn" or "softmax")."""
+        """Indices of the layers of type ``kind`` ("nats", "linear" or "softmax")."""
+        kind = canonical_layer_type(kind)
         return tuple(i for i, t in enumerate(self.layer_types) if t == kind)
 
     def to_dict(self) -> dict[str, Any]:

@@ -58,7 +58,7 @@ entries per head (``dk dv``, or ``dk (dv + 1)``) and ``F`` the operator's FLOPs 
 
     linear FLOPs per token = H * (F E + [decay] * f * floor(L/C) * E / L)
 
-A "gdn" layer (the plain linear layer): ``F H E`` per token, no restores. (The chunked
+A "linear" layer (the plain linear layer): ``F H E`` per token, no restores. (The chunked
 training kernels order the same computation differently; the count is of the
 token-by-token form that decoding runs.)
 
@@ -73,13 +73,13 @@ holds up to ``C - 1`` more tokens before it is filed (or dropped). For ``L`` a m
 ``C`` (every default context) the open chunk is empty, so ``f = 1`` is exactly a softmax
 layer's ``L H (dk + dv) dtype_bytes`` and ``f = 0`` holds no keys at all.
 
-**Recurrent state**: ``H E state_dtype_bytes`` for a "gdn" layer; twice that for
+**Recurrent state**: ``H E state_dtype_bytes`` for a "linear" layer; twice that for
 NAtS-L, which keeps the state and its snapshot at the current chunk's start (NATSL.md,
 "Inference cache"). Not counted: the short-convolution window, the scorer's running
 pool and the chunk's summed gates (``O(d_model)`` a layer, independent of ``L``).
 
 **Baselines**: :func:`all_softmax` and :func:`all_linear` turn *every* layer into a plain
-"softmax" or "gdn" layer of the same channel budget (the Transformer and Gated DeltaNet
+"softmax" or "linear" layer of the same channel budget (the Transformer and Gated DeltaNet
 a hybrid is compared with), not NAtS-L layers at ``f = 1`` / ``0``, which still pay for
 both branches.
 """
@@ -99,7 +99,7 @@ from .softmax_fraction import LayerFraction
 DEFAULT_CONTEXTS = tuple(2**p for p in range(10, 21))
 """1024, 2048, ..., 1_048_576 tokens."""
 
-IMPLIED_FRACTION = {"softmax": 1.0, "gdn": 0.0}
+IMPLIED_FRACTION = {"softmax": 1.0, "linear": 0.0}
 
 
 @dataclass(frozen=True)
@@ -108,9 +108,9 @@ class LayerCost:
 
     layer: int
     kind: str
-    """``"nats"``, ``"softmax"`` or ``"gdn"``."""
+    """``"nats"``, ``"softmax"`` or ``"linear"``."""
     softmax_fraction: float
-    """The fraction used: the measured one, 1.0 for "softmax", 0.0 for "gdn"."""
+    """The fraction used: the measured one, 1.0 for "softmax", 0.0 for "linear"."""
     context_len: int
     softmax_flops_per_token: float
     """Softmax attention FLOPs of a length-``context_len`` sequence, divided by its length."""
@@ -178,7 +178,7 @@ def architecture_cost(config: NatsConfig, softmax_fractions: Sequence[float | No
 
     ``softmax_fractions[i]``: layer ``i``'s measured softmax fraction
     (:mod:`nats.softmax_fraction`, mean over routing heads) for "nats" layers; ``None``
-    (or the implied 1.0 / 0.0) for "softmax" / "gdn" layers. KV entries take
+    (or the implied 1.0 / 0.0) for "softmax" / "linear" layers. KV entries take
     ``dtype_bytes``, the state ``state_dtype_bytes`` (float32 in the cache).
     """
     fractions = _check(config, softmax_fractions, context_len, dtype_bytes, state_dtype_bytes)
@@ -203,7 +203,7 @@ def all_softmax(config: NatsConfig) -> NatsConfig:
 def all_linear(config: NatsConfig) -> NatsConfig:
     """The same model with every layer a plain linear layer (``H`` heads of its
     ``linear_op``, Gated DeltaNet by default)."""
-    return config.replace(layer_types=("gdn",) * config.n_layers)
+    return config.replace(layer_types=("linear",) * config.n_layers)
 
 
 def compare_costs(config: NatsConfig, softmax_fractions: Sequence[float | None],
@@ -243,7 +243,7 @@ def _layer_cost(cfg: NatsConfig, layer: int, kind: str, f: float, seq_len: int,
     finished = seq_len // c
     if kind == "softmax":
         pairs, linear, kv_tokens, states = seq_len * (seq_len + 1) / 2, 0.0, float(seq_len), 0
-    elif kind == "gdn":
+    elif kind == "linear":
         pairs, kv_tokens, states = 0.0, 0.0, 1
         linear = per_entry * state_entries * seq_len
     else:

@@ -24,7 +24,7 @@ from .layers.norms import RMSNorm
 from .layers.routing import ChunkScorer, RouteOverride, RunningMoments
 from .layers.softmax_attention import SoftmaxAttention
 
-MIXERS = {"nats": NatsAttention, "gdn": LinearLayer, "softmax": SoftmaxAttention}
+MIXERS = {"nats": NatsAttention, "linear": LinearLayer, "softmax": SoftmaxAttention}
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 IGNORE_INDEX = -100
 

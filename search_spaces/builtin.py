@@ -11,7 +11,7 @@ BUILTIN_SPACES: dict[str, dict[str, Any]] = {
     "hybrid": {
         "description": "each layer's type and the NAtS-L layers' softmax budget",
         "params": {
-            "layers": {"choices": ["nats", "gdn", "softmax"]},
+            "layers": {"choices": ["nats", "linear", "softmax"]},
             "softmax_target": [0.125, 0.25, 0.5],
         },
     },
@@ -19,19 +19,19 @@ BUILTIN_SPACES: dict[str, dict[str, Any]] = {
         "description": "chunk size, each layer's type and the softmax budget",
         "params": {
             "chunk_size": [16, 32, 64],
-            "layers": {"choices": ["nats", "gdn", "softmax"]},
+            "layers": {"choices": ["nats", "linear", "softmax"]},
             "softmax_target": [0.125, 0.25, 0.5],
         },
     },
     "layer-mix": {
         "description": "each layer's type only (chunk size and lambda from the base)",
-        "params": {"layers": {"choices": ["nats", "gdn", "softmax"]}},
+        "params": {"layers": {"choices": ["nats", "linear", "softmax"]}},
     },
     "nats-every-k": {
         "description": "depth and a pattern: every k-th layer NAtS-L, the others one type",
         "params": {
             "n_layers": [2, 3, 4],
-            "layers": {"every": [1, 2, 3], "kind": "nats", "other": ["gdn", "softmax"]},
+            "layers": {"every": [1, 2, 3], "kind": "nats", "other": ["linear", "softmax"]},
             "reg_lambda": {"low": 0.001, "high": 0.3, "log": True},
         },
     },
@@ -42,7 +42,7 @@ BUILTIN_SPACES: dict[str, dict[str, Any]] = {
             "n_layers": [2, 3, 4],
             "d_model": [64, 128],
             "chunk_size": [16, 32, 64, 128, 256],
-            "layers": {"choices": ["nats", "gdn", "softmax"]},
+            "layers": {"choices": ["nats", "linear", "softmax"]},
             "softmax_heads_per_head": [1, 2, 4],
             "linear_op": list(LINEAR_OPS),
             "reg_lambda": {"low": 0.001, "high": 0.3, "log": True},

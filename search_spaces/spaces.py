@@ -33,7 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nats.config import BRANCH_NORMS, LAYER_TYPES, ConfigError
+from nats.config import (
+    BRANCH_NORMS,
+    LAYER_TYPE_ALIASES,
+    LAYER_TYPES,
+    ConfigError,
+    canonical_layer_type,
+)
 from nats.kernels.linear_ops import LINEAR_OP_SPECS
 from nats.kernels.reference.chunks import CHUNK_SIZES
 from nats.trainers import TrainConfig
@@ -108,13 +114,13 @@ class LayerMix:
             dim = Dim("", tuple(self.choices))
             return tuple(Dim(f"layer{i}", dim.choices).suggest(trial) for i in range(n_layers))
         every = self.every.suggest(trial)
-        other = self.other.suggest(trial) if self.other is not None else "gdn"
+        other = self.other.suggest(trial) if self.other is not None else "linear"
         return tuple(self.kind if (i + 1) % every == 0 else other for i in range(n_layers))
 
     def describe(self) -> str:
         if self.every is None:
             return f"each layer: {' | '.join(self.choices)}"
-        other = self.other.describe() if self.other is not None else "gdn"
+        other = self.other.describe() if self.other is not None else "linear"
         return f"every ({self.every.describe()})-th layer {self.kind}, the others {other}"
 
 
@@ -167,8 +173,9 @@ class SearchSpace:
         if mix is None or mix.every is not None or self.dim("n_layers") is not None:
             return []
         n = base.model.n_layers
-        points: list[dict[str, Any]] = [{f"layer{i}": kind for i in range(n)}
-                                        for kind in ("softmax", "gdn") if kind in mix.choices]
+        points: list[dict[str, Any]] = [
+            {f"layer{i}": kind for i in range(n)} for pure in ("softmax", "linear")
+            for kind in mix.choices if canonical_layer_type(kind) == pure]
         routing = [d for d in self.dims if d.name in ROUTING_PARAMS]
         if "nats" in mix.choices and all(_admits(d, getattr(base.model, d.name))
                                          for d in routing):
@@ -277,11 +284,17 @@ def _dim(where: str, key: str, spec: Any) -> Dim:
 def _layer_types(where: str, key: str, values: Any) -> tuple[str, ...]:
     if isinstance(values, str):
         values = [values]
-    if not isinstance(values, list) or not values or any(v not in LAYER_TYPES for v in values):
+    if not isinstance(values, list) or not values or any(not _is_layer_type(v) for v in values):
         raise _err(where, key, values, f"a non-empty list from {LAYER_TYPES}")
-    if len(set(values)) != len(values):
+    if len({canonical_layer_type(v) for v in values}) != len(values):
         raise _err(where, key, values, "a list without repeated layer types")
+    # Kept as written: a search folder's saved space must give its study the same choices.
     return tuple(values)
+
+
+def _is_layer_type(value: Any) -> bool:
+    """A current layer type or an old spelling of one (``LAYER_TYPE_ALIASES``)."""
+    return isinstance(value, str) and (value in LAYER_TYPES or value in LAYER_TYPE_ALIASES)
 
 
 def _layers(where: str, spec: Any) -> LayerMix:
@@ -299,9 +312,9 @@ def _layers(where: str, spec: Any) -> LayerMix:
                                  for k in every_list):
             raise _err(where, "params.layers.every", every, "integers >= 1 (or a list of them)")
         kind = spec.get("kind", "nats")
-        if kind not in LAYER_TYPES:
+        if not _is_layer_type(kind):
             raise _err(where, "params.layers.kind", kind, f"one of {LAYER_TYPES}")
-        other = _layer_types(where, "params.layers.other", spec.get("other", ["gdn"]))
+        other = _layer_types(where, "params.layers.other", spec.get("other", ["linear"]))
         return LayerMix(every=Dim("every", tuple(every_list)), kind=kind,
                         other=Dim("other_layers", other))
     raise _err(where, "params.layers", dict(spec), allowed)

@@ -348,7 +348,8 @@ width, depth, heads and trainer, only the mixers differ (see :func:`architecture
 def architecture_layers(arch: str, n_layers: int, softmax_every: int = 2) -> tuple[str, ...]:
     """Layer types of baseline ``arch`` with ``n_layers`` layers.
 
-    ``transformer``: all softmax; ``gdn``: all Gated DeltaNet; ``layer-hybrid``: softmax in
+    ``transformer``: all softmax; ``gdn``: all linear (Gated DeltaNet unless the model's
+    ``linear_op`` says otherwise); ``layer-hybrid``: softmax in
     every ``softmax_every``-th layer (layers ``k-1, 2k-1, ..``), Gated DeltaNet elsewhere;
     ``natsl``: NAtS-L where the layer hybrid puts softmax, Gated DeltaNet elsewhere, so the
     searched layers can only save cost against it; ``natsl-all``: NAtS-L everywhere.
@@ -360,11 +361,12 @@ def architecture_layers(arch: str, n_layers: int, softmax_every: int = 2) -> tup
             or not 1 <= softmax_every <= n_layers:
         raise ConfigError(f"softmax_every = {softmax_every!r} is invalid: must be an integer "
                           f"in 1 .. n_layers = {n_layers}")
-    uniform = {"transformer": "softmax", "gdn": "gdn", "natsl-all": "nats"}
+    uniform = {"transformer": "softmax", "gdn": "linear", "natsl-all": "nats"}
     if arch in uniform:
         return (uniform[arch],) * n_layers
     hybrid = "softmax" if arch == "layer-hybrid" else "nats"
-    return tuple(hybrid if (i + 1) % softmax_every == 0 else "gdn" for i in range(n_layers))
+    return tuple(hybrid if (i + 1) % softmax_every == 0 else "linear"
+                 for i in range(n_layers))
 
 
 def with_architecture(config: TrainConfig, arch: str, softmax_every: int = 2) -> TrainConfig:

@@ -44,7 +44,7 @@ from .sources import TRAIN_CONFIG_FILE, TRAINING_FILE, load_model
 README_FILE = "README.md"
 ROUTING_MAP_FILE = "routing_map.png"
 """The routes of the first evaluation sequence, drawn when a NAtS-L layer was measured."""
-PLAIN_KIND = {ALL_SOFTMAX: "softmax", ALL_LINEAR: "gdn"}
+PLAIN_KIND = {ALL_SOFTMAX: "softmax", ALL_LINEAR: "linear"}
 """The plain layer type that a NAtS-L layer with these routes is exported as."""
 _NAMES = {"nats": "NAtS-L (hybrid)", "softmax": "softmax attention"}
 
@@ -66,7 +66,7 @@ class ExportResult:
     fractions: dict[int, LayerFraction]
     """Measured routing of every NAtS-L layer of the trained model (empty: not measured)."""
     converted: dict[int, str]
-    """Layers exported as plain layers: index -> new type ("softmax" or "gdn")."""
+    """Layers exported as plain layers: index -> new type ("softmax" or "linear")."""
     weights: Path | None
     """``model.safetensors``, or ``None`` with ``weights=False``."""
     training: Path | None
@@ -108,7 +108,7 @@ def _source_folders(path: Path) -> set[Path]:
 
 def plain_layer_types(layer_types: Sequence[str],
                       fractions: dict[int, LayerFraction]) -> dict[int, str]:
-    """NAtS-L layers that routed every token one way: ``{index: "softmax" | "gdn"}``."""
+    """NAtS-L layers that routed every token one way: ``{index: "softmax" | "linear"}``."""
     return {i: PLAIN_KIND[f.kind] for i, f in sorted(fractions.items())
             if layer_types[i] == "nats" and f.kind in PLAIN_KIND}
 
@@ -279,9 +279,9 @@ def render_readme(result: ExportResult, init_seed: int = 0) -> str:
     title = "NAtS-L architecture export" if "nats" in cfg.layer_types else "Architecture export"
     lines = [f"# {title}: {cfg.n_layers} layers", "",
              f"Exported by `nats export` from {result.origin}.", ""]
-    names = {**_NAMES, "gdn": f"{cfg.linear_op_name} (linear)"}
+    names = {**_NAMES, "linear": f"{cfg.linear_op_name} (linear)"}
     mix = "; ".join(f"{names[kind]} {list(cfg.layers_of(kind))}"
-                    for kind in ("nats", "softmax", "gdn") if cfg.layers_of(kind))
+                    for kind in ("nats", "softmax", "linear") if cfg.layers_of(kind))
     r = cfg.softmax_heads_per_head
     weights = (f"`{WEIGHTS_FILE}` ({result.dtype}), the trained tensors"
                + (" except the freshly initialised mixers below" if result.converted else "")
@@ -330,7 +330,7 @@ def render_readme(result: ExportResult, init_seed: int = 0) -> str:
     lines.append("")
     if result.converted:
         plain = {"softmax": ("softmax attention", "softmax"),
-                 "gdn": ("linear attention", cfg.linear_op_name)}
+                 "linear": ("linear attention", cfg.linear_op_name)}
         listed = "; ".join(f"layer {i} routed every chunk to {plain[t][0]} and is exported as "
                            f"a plain {plain[t][1]} layer" for i, t in result.converted.items())
         lines += ["## Plain layers", "",

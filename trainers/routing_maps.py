@@ -31,7 +31,7 @@ SOFTMAX_RGB = (255, 170, 30)
 """Colour of a chunk routed to softmax attention (kept in the KV cache)."""
 LINEAR_RGB = (30, 60, 140)
 """Colour of a chunk routed to linear attention (written into the state)."""
-PLAIN_RGB = {"softmax": (250, 215, 160), "gdn": (160, 175, 210)}
+PLAIN_RGB = {"softmax": (250, 215, 160), "linear": (160, 175, 210)}
 """Rows of layers without routes: a plain softmax or linear layer (pale colours)."""
 GRID_LEFT, GRID_TOP, ROW_HEIGHT, ROW_GAP, BAR_WIDTH = 130, 24, 22, 10, 90
 """Layout of :func:`routing_figure` in pixels: the grid's top-left corner (without a
@@ -105,7 +105,7 @@ def routing_figure(routes: Sequence[torch.Tensor | None], layer_types: Sequence[
              LegendItem("linear: chunk written into the state", LINEAR_RGB)]
     items += [LegendItem(f"plain {'softmax' if k == 'softmax' else 'linear'} layer "
                          "(no routes)", PLAIN_RGB[k])
-              for k in ("softmax", "gdn") if k in layer_types]
+              for k in ("softmax", "linear") if k in layer_types]
     legend_w, legend_h = legend_size(items, font)
     img_w = max(left + grid_w + bar_w + 60, legend_w + 40)
     img = Image.new("RGB", (img_w, top + grid_h + 70 + legend_h + 10), "white")

@@ -1,8 +1,7 @@
-"""The plain linear-attention layer (layer type "gdn"): the all-linear baseline.
+"""The plain linear-attention layer (layer type "linear"): the all-linear baseline.
 
-Its operator is ``NatsConfig.linear_op`` (Gated DeltaNet by default; the layer type keeps
-the "gdn" name so that saved configs load). Same projections as NAtS-L, every chunk
-written to the state.
+Its operator is ``NatsConfig.linear_op`` (Gated DeltaNet by default). Same projections as
+NAtS-L, every chunk written to the state.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 One place knows, per operator, its gates, how q and k enter it, the parallel (chunked,
 routed) call, the state it carries and the one-token decode step, so that the NAtS-L
-layer's linear branch and the plain linear layer ("gdn") run the same operator:
+layer's linear branch and the plain linear layer ("linear") run the same operator:
 
 ==========================  =================  ==============  ======================
 operator                    gates              q, k            state ``[B, H, Dk, .]``

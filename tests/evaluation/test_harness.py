@@ -20,7 +20,7 @@ from nats.trainers.sources import LoadedModel, load_model
 CPU = torch.device("cpu")
 
 
-def _model(layers: tuple[str, ...] = ("gdn", "nats")) -> NatsForCausalLM:
+def _model(layers: tuple[str, ...] = ("linear", "nats")) -> NatsForCausalLM:
     torch.manual_seed(0)
     config = NatsConfig(vocab_size=32, d_model=32, n_layers=len(layers), n_heads=2,
                         softmax_heads_per_head=2, head_dim_k=16, head_dim_v=16, chunk_size=16,
@@ -55,7 +55,7 @@ def test_metrics_match_a_direct_recount(tmp_path: Path) -> None:
     assert s["sequence_accuracy"] == pytest.approx(solved / 12)
     measured = measure_softmax_fraction(model, batches)[1].overall
     assert s["layers"][1]["softmax_fraction"] == pytest.approx(measured)
-    assert s["layers"][0] == {"layer": 0, "kind": "gdn", "measured": False,
+    assert s["layers"][0] == {"layer": 0, "kind": "linear", "measured": False,
                               "softmax_fraction": 0.0}
     assert s["softmax_fraction"] == pytest.approx(measured / 2)
     assert s["params"] == {"seq_len": 64, "pairs": 6, "placement": "start",
@@ -73,7 +73,7 @@ def test_bits_per_byte_of_a_text_slice(tmp_path: Path) -> None:
     for split in (False, True):  # one file in each split
         name = next(n for n in names if in_validation(tmp_path / n, 0.5) == split)
         (tmp_path / name).write_text("def f(x):\n    return x + 1\n" * 20)
-    model = _model(("softmax", "gdn"))
+    model = _model(("softmax", "linear"))
     model = NatsForCausalLM(model.config.replace(vocab_size=256)).eval()
     config = TrainConfig(model=model.config, task="text", seq_len=32, batch_size=2,
                          data_paths=(str(tmp_path),), val_fraction=0.5, device="cpu")

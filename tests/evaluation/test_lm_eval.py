@@ -26,7 +26,7 @@ def _byte_model(vocab_size: int = 256) -> NatsForCausalLM:
     torch.manual_seed(0)
     config = NatsConfig(vocab_size=vocab_size, d_model=32, n_layers=2, n_heads=2,
                         softmax_heads_per_head=2, head_dim_k=16, head_dim_v=16, chunk_size=16,
-                        layer_types=("nats", "gdn"))
+                        layer_types=("nats", "linear"))
     model = NatsForCausalLM(config).eval()
     with torch.no_grad():
         for layer in model.nats_layers:  # spread the scorer's logits: both routes occur

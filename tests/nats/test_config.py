@@ -14,7 +14,8 @@ from nats import ConfigError, NatsConfig
         ({"n_heads": 2.5}, r"NatsConfig\.n_heads = 2\.5 .*positive integer"),
         ({"reg_lambda": -1.0}, r"NatsConfig\.reg_lambda = -1\.0 .*>= 0"),
         ({"norm_eps": float("nan")}, r"NatsConfig\.norm_eps = nan .*positive finite"),
-        ({"layer_types": ("nats", "mamba")}, r"NatsConfig\.layer_types .*'nats', 'gdn', 'softmax'"),
+        ({"layer_types": ("nats", "mamba")},
+         r"NatsConfig\.layer_types .*'nats', 'linear', 'softmax'"),
         ({"layer_types": ("nats",)}, r"NatsConfig\.layer_types .*n_layers=2 entries"),
         ({"head_dim_k": 30, "softmax_heads_per_head": 4},
          r"NatsConfig\.head_dim_k = 30 .*multiple of softmax_heads_per_head=4"),
@@ -36,17 +37,28 @@ def test_bad_values_name_the_field_and_allowed_values(changes, message):
 
 
 def test_dict_round_trip_and_unknown_keys():
-    cfg = NatsConfig(layer_types=["gdn", "nats"], chunk_size=64, reg_lambda=0.1)
-    assert cfg.layer_types == ("gdn", "nats")
+    cfg = NatsConfig(layer_types=["linear", "nats"], chunk_size=64, reg_lambda=0.1)
+    assert cfg.layer_types == ("linear", "nats")
     assert NatsConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ConfigError, match=r"unknown NatsConfig field\(s\) \['n_layer'\]"):
         NatsConfig.from_dict({**cfg.to_dict(), "n_layer": 3})
 
 
+def test_the_old_name_of_the_linear_layer_type_loads_with_a_warning():
+    """Configs saved when the plain linear layer was called "gdn" load as "linear"."""
+    saved = {**NatsConfig(layer_types=["linear", "nats"]).to_dict(),
+             "layer_types": ["gdn", "nats"]}
+    with pytest.warns(DeprecationWarning, match="'gdn' is deprecated: use 'linear'"):
+        cfg = NatsConfig.from_dict(saved)
+    assert cfg.layer_types == ("linear", "nats") and cfg.layers_of("linear") == (0,)
+    assert cfg.to_dict()["layer_types"] == ["linear", "nats"]
+    assert cfg.to_dict()["linear_layers"] == [0]
+
+
 def test_the_keys_transformers_reads_are_checked_and_dropped():
     """``save_pretrained`` writes ``model_type`` and ``architectures`` for transformers'
     Auto classes; files without them (older ones) load too."""
-    cfg = NatsConfig(layer_types=["gdn", "nats"])
+    cfg = NatsConfig(layer_types=["linear", "nats"])
     saved = {**cfg.to_dict(), "model_type": "nats", "architectures": ["NatsHFForCausalLM"]}
     assert NatsConfig.from_dict(saved) == NatsConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ConfigError, match=r"NatsConfig\.model_type = 'llama' .*'nats'"):

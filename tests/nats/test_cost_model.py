@@ -63,7 +63,7 @@ def test_partial_chunk_hand_count() -> None:
 
 
 def test_softmax_and_gdn_layers_hand_count() -> None:
-    cost = architecture_cost(_cfg(("softmax", "gdn", "nats")), [None, 0.0, 1.0], 64)
+    cost = architecture_cost(_cfg(("softmax", "linear", "nats")), [None, 0.0, 1.0], 64)
     sm, gdn, nats = cost.layers
     # Full causal: 64*65/2 = 2080 pairs x 32 FLOPs; KV of all 64 tokens x 16 values x 2 bytes.
     assert (sm.softmax_flops_per_token, sm.linear_flops_per_token) == (2080 * 32 / 64, 0)
@@ -86,7 +86,7 @@ def test_softmax_and_gdn_layers_hand_count() -> None:
 def test_linear_operator_hand_count(linear_op, flops_per_entry, columns, restores) -> None:
     # L=64, C=16: 4 chunks finish, f=0.5 -> 2 softmax chunks restore the snapshot (decay
     # ops: one multiply per state entry; the others copy it). H=1, dk=8, dv=8.
-    cost = architecture_cost(_cfg(("nats", "gdn"), linear_op=linear_op), [0.5, None], 64)
+    cost = architecture_cost(_cfg(("nats", "linear"), linear_op=linear_op), [0.5, None], 64)
     nats, plain = cost.layers
     entries = 8 * columns
     assert plain.linear_flops_per_token == flops_per_entry * entries
@@ -94,14 +94,14 @@ def test_linear_operator_hand_count(linear_op, flops_per_entry, columns, restore
                                            + restores * 2 * entries) / 64
     assert (plain.state_bytes, nats.state_bytes) == (entries * 4, 2 * entries * 4)
     # The softmax side does not depend on the operator.
-    reference = architecture_cost(_cfg(("nats", "gdn")), [0.5, None], 64).layers[0]
+    reference = architecture_cost(_cfg(("nats", "linear")), [0.5, None], 64).layers[0]
     assert nats.softmax_flops_per_token == reference.softmax_flops_per_token
     assert nats.kv_cache_bytes == reference.kv_cache_bytes
 
 
 def test_operators_without_delta_rule_are_cheaper_per_token() -> None:
     def plain(op: str) -> float:
-        return architecture_cost(_cfg(("gdn",), dk=64, dv=64, linear_op=op), [None],
+        return architecture_cost(_cfg(("linear",), dk=64, dv=64, linear_op=op), [None],
                                  4096).linear_flops_per_token
 
     assert plain("gated_linear_attention") < plain("deltanet") < plain("gated_deltanet")
@@ -109,7 +109,7 @@ def test_operators_without_delta_rule_are_cheaper_per_token() -> None:
 
 
 def test_f0_is_within_chunk_attention_plus_linear() -> None:
-    cost = architecture_cost(_cfg(("nats", "gdn")), [0.0, None], 256)
+    cost = architecture_cost(_cfg(("nats", "linear")), [0.0, None], 256)
     nats, gdn = cost.layers
     assert nats.softmax_flops_per_token == 32 * (256 // 16) * 136 / 256   # own chunks only
     assert nats.linear_flops_per_token == gdn.linear_flops_per_token
@@ -183,9 +183,9 @@ def test_monotone_in_fraction_and_context() -> None:
 
 
 def test_baselines_and_curve() -> None:
-    cfg = _cfg(("nats", "gdn", "softmax"))
+    cfg = _cfg(("nats", "linear", "softmax"))
     assert all_softmax(cfg).layer_types == ("softmax",) * 3
-    assert all_linear(cfg).layer_types == ("gdn",) * 3
+    assert all_linear(cfg).layer_types == ("linear",) * 3
     curves = compare_costs(cfg, [0.5, None, None], contexts=(1024, 2048))
     assert set(curves) == {"model", "all-softmax", "all-linear"}
     assert [c.context_len for c in curves["model"]] == [1024, 2048]
@@ -199,18 +199,18 @@ def test_baselines_and_curve() -> None:
     assert len(cost_curve(cfg, [0.5, None, None])) == 11
     d = curves["model"][0].to_dict()
     assert d["context_len"] == 1024 and [row["kind"] for row in d["layers"]] \
-        == ["nats", "gdn", "softmax"]
+        == ["nats", "linear", "softmax"]
 
 
 def test_bad_fractions_are_refused() -> None:
-    cfg = _cfg(("nats", "gdn"))
+    cfg = _cfg(("nats", "linear"))
     with pytest.raises(ValueError, match="2 layers"):
         architecture_cost(cfg, [0.5], 64)
     with pytest.raises(ValueError, match="needs its measured fraction"):
         architecture_cost(cfg, [None, None], 64)
     with pytest.raises(ValueError, match="needs its measured fraction"):
         architecture_cost(cfg, [1.5, None], 64)
-    with pytest.raises(ValueError, match="'gdn'"):
+    with pytest.raises(ValueError, match="'linear'"):
         architecture_cost(cfg, [0.5, 0.5], 64)
     with pytest.raises(ValueError, match="context_len"):
         architecture_cost(cfg, [0.5, None], 0)
@@ -218,7 +218,7 @@ def test_bad_fractions_are_refused() -> None:
 
 
 def test_fractions_from_measurement() -> None:
-    cfg = _cfg(("nats", "gdn", "nats"))
+    cfg = _cfg(("nats", "linear", "nats"))
     measured = {0: LayerFraction(0, (40, 20), 40), 2: 0.25}
     assert fractions_from_measurement(cfg, measured) == (0.75, None, 0.25)
     with pytest.raises(ValueError, match="NAtS-L layers"):
@@ -232,7 +232,7 @@ def test_bytes_match_the_real_cache(seq_len: int, linear_op: str) -> None:
     # fraction_is_softmax files exactly floor(n f) of the first n chunks as softmax; with
     # f = 0.5 and an even number of finished chunks that is f n, the model's expectation.
     torch.manual_seed(0)
-    cfg = _cfg(("nats", "gdn", "softmax"), n_heads=2, r=2, dk=16, dv=8, linear_op=linear_op)
+    cfg = _cfg(("nats", "linear", "softmax"), n_heads=2, r=2, dk=16, dv=8, linear_op=linear_op)
     model = NatsForCausalLM(cfg).eval()
     model.set_route_override(0.5)
     with torch.no_grad():

@@ -5,7 +5,8 @@ import torch
 
 from .models import rel_err, tiny_model
 
-LAYER_MIXES = [("nats", "nats"), ("gdn", "gdn"), ("softmax", "softmax"), ("nats", "gdn", "softmax")]
+LAYER_MIXES = [("nats", "nats"), ("linear", "linear"), ("softmax", "softmax"),
+               ("nats", "linear", "softmax")]
 
 
 def decode_logits(model, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -33,7 +34,7 @@ def test_decoding_follows_forced_routes(override):
 
 
 def test_float32_decode_within_rounding():
-    model = tiny_model(("nats", "gdn"), dtype=torch.float32)
+    model = tiny_model(("nats", "linear"), dtype=torch.float32)
     ids = torch.randint(0, 50, (2, 50), generator=torch.Generator().manual_seed(2))
     assert rel_err(decode_logits(model, ids, 7), model(ids).logits) < 1e-4
 
@@ -55,7 +56,7 @@ def test_kv_cache_holds_only_softmax_chunks():
 
 
 def test_greedy_generate_equals_repeated_full_forward():
-    model = tiny_model(("nats", "gdn", "softmax"))
+    model = tiny_model(("nats", "linear", "softmax"))
     prompt = torch.randint(0, 50, (2, 13), generator=torch.Generator().manual_seed(4))
     out = model.generate(prompt, max_new_tokens=25)
     expected = prompt
@@ -90,7 +91,7 @@ def test_generate_rejects_bad_arguments():
 
 
 def test_nan_weights_are_reported_not_decoded():
-    model = tiny_model(("nats", "gdn"))
+    model = tiny_model(("nats", "linear"))
     prompt = torch.zeros(1, 4, dtype=torch.long)
     assert model.generate(prompt, 3).shape == (1, 7)
     with torch.no_grad():

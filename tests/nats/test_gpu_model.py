@@ -24,7 +24,7 @@ def test_triton_backend_matches_reference_forward_and_gradients(chunk_size, dtyp
     gated-linear-attention layer's A_log gradient lands 5.5 % from float32 on an H100."""
     cfg = NatsConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, softmax_heads_per_head=2,
                      head_dim_k=64, head_dim_v=64, chunk_size=chunk_size,
-                     layer_types=("nats", "gdn"), backend="reference", linear_op=linear_op)
+                     layer_types=("nats", "linear"), backend="reference", linear_op=linear_op)
     torch.manual_seed(0)
     reference = NatsForCausalLM(cfg).cuda()
     with torch.no_grad():  # spread the scorer so that both routes occur
@@ -56,7 +56,7 @@ def test_triton_prefill_then_decode_equals_parallel_forward(linear_op):
     """Prefill on the Triton kernels (finished chunks with routes, then the open tail from
     the snapshot) and the decode steps agree with the parallel forward, in float32."""
     cfg = NatsConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, softmax_heads_per_head=2,
-                     head_dim_k=64, head_dim_v=64, chunk_size=64, layer_types=("nats", "gdn"),
+                     head_dim_k=64, head_dim_v=64, chunk_size=64, layer_types=("nats", "linear"),
                      backend="triton", linear_op=linear_op)
     torch.manual_seed(0)
     model = NatsForCausalLM(cfg).cuda().eval()
@@ -77,7 +77,7 @@ def test_graphed_decode_equals_eager_decode(dtype):
 
     cfg = NatsConfig(vocab_size=512, d_model=256, n_layers=3, n_heads=4, softmax_heads_per_head=2,
                      head_dim_k=64, head_dim_v=64, chunk_size=16,
-                     layer_types=("nats", "gdn", "softmax"), backend="triton", rope=True)
+                     layer_types=("nats", "linear", "softmax"), backend="triton", rope=True)
     torch.manual_seed(0)
     model = NatsForCausalLM(cfg).cuda().to(dtype).eval()
     with torch.no_grad():

@@ -18,7 +18,7 @@ def test_gated_deltanet_needle_run_stays_finite_in_bf16(tmp_path):
     once keys collapsed; the trainer raises on the first non-finite loss."""
     model = NatsConfig(vocab_size=266, d_model=128, n_layers=4, n_heads=2,
                        softmax_heads_per_head=2, head_dim_k=64, head_dim_v=64, chunk_size=64,
-                       layer_types=("gdn",) * 4, rope=True, **OFFICIAL_RECIPE)
+                       layer_types=("linear",) * 4, rope=True, **OFFICIAL_RECIPE)
     config = TrainConfig(model=model, task="needle", steps=250, batch_size=32, seq_len=1024,
                          needle_haystack="text", needle_distractors=1, lr=3e-3,
                          warmup_steps=100, precision="bf16", eval_interval=250,

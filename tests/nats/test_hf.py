@@ -18,7 +18,7 @@ from nats.trainers.export import export_model
 from .models import tiny_model
 
 logging.disable_progress_bar()
-MIXES = [("nats", "gdn", "softmax"), ("nats", "nats"), ("gdn", "softmax")]
+MIXES = [("nats", "linear", "softmax"), ("nats", "nats"), ("linear", "softmax")]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -85,7 +85,7 @@ def test_logits_and_loss_equal_the_native_models(layer_types):
 @pytest.mark.parametrize(("dtype", "tie_embeddings"), [(torch.float64, True),
                                                       (torch.float32, False)])
 def test_native_folder_loads_through_the_auto_classes(tmp_path, dtype, tie_embeddings):
-    model = tiny_model(("nats", "gdn", "softmax"), dtype=dtype, rope=True,
+    model = tiny_model(("nats", "linear", "softmax"), dtype=dtype, rope=True,
                        tie_embeddings=tie_embeddings)
     loaded = load(model, tmp_path)
     config = AutoConfig.from_pretrained(tmp_path)
@@ -106,7 +106,7 @@ def test_budgeted_model_loads_its_routing_statistics(tmp_path):
 @pytest.mark.parametrize(("prompt_len", "new"), [(13, 25), (16, 20), (1, 17)])
 def test_greedy_generate_equals_nats_generate(tmp_path, prompt_len, new):
     """Prompts that end mid-chunk and on a chunk end; new tokens that cross chunk ends."""
-    model = tiny_model(("nats", "gdn", "softmax"), dtype=torch.float32, rope=True)
+    model = tiny_model(("nats", "linear", "softmax"), dtype=torch.float32, rope=True)
     loaded = load(model, tmp_path)
     prompt = ids(2, prompt_len, seed=prompt_len)
     out = loaded.generate(prompt, max_new_tokens=new, do_sample=False)
@@ -121,7 +121,7 @@ def test_budgeted_model_generates_as_natively(tmp_path):
 
 
 def test_generate_continues_a_cache_it_is_given():
-    model = tiny_model(("nats", "gdn", "softmax"), dtype=torch.float32)
+    model = tiny_model(("nats", "linear", "softmax"), dtype=torch.float32)
     hf = NatsHFForCausalLM.from_native(model)
     prompt, cache = ids(2, 13), NatsCache()
     first = hf.generate(prompt, max_new_tokens=7, cache=cache)
@@ -132,7 +132,8 @@ def test_generate_continues_a_cache_it_is_given():
 
 def test_beam_search_with_the_cache_equals_recomputing_every_step():
     """Beam search reorders the cache's rows every step (``reorder_cache``)."""
-    hf = NatsHFForCausalLM.from_native(tiny_model(("nats", "gdn", "softmax"), dtype=torch.float32))
+    hf = NatsHFForCausalLM.from_native(tiny_model(("nats", "linear", "softmax"),
+                                                  dtype=torch.float32))
     prompt = ids(2, 13)
     cached = hf.generate(prompt, max_new_tokens=20, num_beams=3, do_sample=False)
     recomputed = hf.generate(prompt, max_new_tokens=20, num_beams=3, do_sample=False,
@@ -156,7 +157,7 @@ def test_forward_continues_a_cache_token_by_token():
 
 @pytest.mark.parametrize("tie_embeddings", [True, False])
 def test_save_pretrained_round_trip_keeps_the_native_layout(tmp_path, tie_embeddings):
-    model = tiny_model(("nats", "gdn", "softmax"), tie_embeddings=tie_embeddings)
+    model = tiny_model(("nats", "linear", "softmax"), tie_embeddings=tie_embeddings)
     hf = NatsHFForCausalLM.from_native(model)
     hf.save_pretrained(tmp_path / "hf")
     model.save_pretrained(tmp_path / "native")
@@ -171,7 +172,7 @@ def test_save_pretrained_round_trip_keeps_the_native_layout(tmp_path, tie_embedd
 
 
 def test_exported_folder_loads_through_the_auto_classes(tmp_path):
-    model = tiny_model(("nats", "gdn"), dtype=torch.float32)
+    model = tiny_model(("nats", "linear"), dtype=torch.float32)
     export_model(model, tmp_path / "out")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (config["model_type"], config["architectures"]) == ("nats", ["NatsHFForCausalLM"])
@@ -182,7 +183,7 @@ def test_exported_folder_loads_through_the_auto_classes(tmp_path):
 
 def test_one_trainer_step_changes_the_weights(tmp_path):
     torch.manual_seed(0)
-    config = NatsHFConfig.from_nats(tiny_model(("nats", "gdn", "softmax")).config)
+    config = NatsHFConfig.from_nats(tiny_model(("nats", "linear", "softmax")).config)
     model = AutoModelForCausalLM.from_config(config)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     data = [{"input_ids": row, "labels": row} for row in ids(4, 40)]
@@ -205,7 +206,7 @@ def test_a_checkpoint_without_a_tensor_is_refused(tmp_path):
 
 
 def test_resized_embeddings_are_drawn_and_the_native_model_follows(tmp_path):
-    model = tiny_model(("nats", "gdn"), tie_embeddings=False)
+    model = tiny_model(("nats", "linear"), tie_embeddings=False)
     hf = NatsHFForCausalLM.from_native(model)
     old = hf.embed.weight.detach().clone()
     hf.resize_token_embeddings(60, mean_resizing=False)
@@ -241,7 +242,7 @@ def test_a_model_built_from_a_config_is_initialised_as_natively():
 
 
 def test_config_is_checked_by_nats_config():
-    config = tiny_model(("nats", "gdn")).config
+    config = tiny_model(("nats", "linear")).config
     assert NatsHFConfig.from_nats(config).to_nats() == config
     with pytest.raises(ConfigError, match="chunk_size"):
         NatsHFConfig(chunk_size=5)

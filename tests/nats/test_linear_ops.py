@@ -42,7 +42,7 @@ def gate_parameters(linear_op: str) -> set[str]:
 @pytest.mark.parametrize("linear_op", OPS)
 @pytest.mark.parametrize(("seq_len", "prompt_len"), [(45, 20), (48, 16), (37, 1)])
 def test_prefill_then_decode_equals_parallel_forward(linear_op, seq_len, prompt_len):
-    model = tiny_model(("nats", "gdn"), linear_op=linear_op)
+    model = tiny_model(("nats", "linear"), linear_op=linear_op)
     ids = torch.randint(0, 50, (3, seq_len), generator=torch.Generator().manual_seed(seq_len))
     assert rel_err(decode_logits(model, ids, prompt_len), model(ids).logits) < 1e-12
 
@@ -60,7 +60,7 @@ def test_decoding_restores_snapshots_of_softmax_chunks(linear_op, override):
 
 @pytest.mark.parametrize("linear_op", OPS)
 def test_causal(linear_op):
-    model = tiny_model(("nats", "gdn"), linear_op=linear_op)
+    model = tiny_model(("nats", "linear"), linear_op=linear_op)
     ids = torch.randint(0, 50, (2, 50), generator=torch.Generator().manual_seed(2))
     changed = ids.clone()
     changed[:, 33:] = (changed[:, 33:] + 7) % 50
@@ -85,7 +85,7 @@ def test_all_linear_nats_branch_is_the_plain_layers_operator(linear_op):
     """A NAtS-L layer routed all-LA and a plain linear layer with the same projections and
     gates: both linear outputs are the operator's oracle over the same q, k, v and gates."""
     torch.manual_seed(0)
-    cfg = tiny_config(("nats", "gdn"), linear_op=linear_op)
+    cfg = tiny_config(("nats", "linear"), linear_op=linear_op)
     model = NatsForCausalLM(cfg).double().eval()
     nats, plain = (block.mixer for block in model.blocks)
     plain.qkv.load_state_dict(nats.qkv.state_dict())
@@ -111,7 +111,7 @@ def test_all_linear_nats_branch_is_the_plain_layers_operator(linear_op):
 
 @pytest.mark.parametrize("linear_op", OPS)
 def test_gradients_reach_every_gate_parameter(linear_op):
-    model = tiny_model(("nats", "gdn"), linear_op=linear_op).train()
+    model = tiny_model(("nats", "linear"), linear_op=linear_op).train()
     ids = torch.randint(0, 50, (2, 40), generator=torch.Generator().manual_seed(3))
     model(ids, labels=ids).loss.backward()
     for block in model.blocks:
@@ -124,14 +124,14 @@ def test_gradients_reach_every_gate_parameter(linear_op):
 
 def test_gated_deltanet_state_dict_keys_are_unchanged():
     """Checkpoints saved before the operator became a choice hold these gate keys."""
-    keys = set(tiny_model(("nats", "gdn")).state_dict())
+    keys = set(tiny_model(("nats", "linear")).state_dict())
     for i in (0, 1):
         assert {f"blocks.{i}.mixer.gates.{n}" for n in gate_parameters("gated_deltanet")} <= keys
 
 
 @pytest.mark.parametrize("linear_op", OPS)
 def test_save_and_load_every_operator(tmp_path, linear_op):
-    model = tiny_model(("nats", "gdn"), linear_op=linear_op)
+    model = tiny_model(("nats", "linear"), linear_op=linear_op)
     model.save_pretrained(tmp_path)
     loaded = NatsForCausalLM.from_pretrained(tmp_path).eval()
     assert loaded.config.linear_op == linear_op
@@ -151,7 +151,8 @@ def test_the_registry_names_each_operator_once_and_config_reads_it() -> None:
 def test_the_toy_operator_costs_what_its_spec_says() -> None:
     from nats.cost_model import architecture_cost
 
-    toy, gla = (tiny_config(("gdn",), linear_op=op) for op in (TOY.name, "gated_linear_attention"))
+    toy, gla = (tiny_config(("linear",), linear_op=op)
+                for op in (TOY.name, "gated_linear_attention"))
     toy_flops = architecture_cost(toy, [0.0], 4096).flops_per_token
     gla_flops = architecture_cost(gla, [0.0], 4096).flops_per_token
     assert toy_flops / gla_flops == pytest.approx(4 / 5)

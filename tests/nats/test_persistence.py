@@ -13,7 +13,7 @@ from .models import tiny_model
 
 @pytest.mark.parametrize("tie_embeddings", [True, False])
 def test_round_trip_restores_config_weights_and_outputs(tmp_path, tie_embeddings):
-    model = tiny_model(("nats", "gdn", "softmax"), tie_embeddings=tie_embeddings, rope=True)
+    model = tiny_model(("nats", "linear", "softmax"), tie_embeddings=tie_embeddings, rope=True)
     model.save_pretrained(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
     assert json.loads((tmp_path / "config.json").read_text()) == \
@@ -47,7 +47,7 @@ def test_weights_of_a_softmax_layer_without_short_convolution_are_refused_in_one
     must not load (strictly or not) into the new layout."""
     from safetensors.torch import save_file
 
-    model = tiny_model(("gdn", "softmax"))
+    model = tiny_model(("linear", "softmax"))
     model.save_pretrained(tmp_path)
     state = load_file(str(tmp_path / "model.safetensors"))
     state["blocks.1.mixer.qkv.weight"] = state.pop("blocks.1.mixer.qkv.proj.weight")
@@ -60,7 +60,7 @@ def test_weights_of_a_softmax_layer_without_short_convolution_are_refused_in_one
         NatsForCausalLM.from_pretrained(tmp_path)
     assert "\n" not in str(error.value)
     with pytest.raises(ValueError, match=message):
-        tiny_model(("gdn", "softmax")).load_state_dict(state, strict=False)
+        tiny_model(("linear", "softmax")).load_state_dict(state, strict=False)
 
 
 def test_damaged_model_folders_are_one_line_errors(tmp_path) -> None:
@@ -96,7 +96,7 @@ def test_damaged_model_folders_are_one_line_errors(tmp_path) -> None:
 def test_built_on_the_meta_device_then_loaded_equals_the_original() -> None:
     """Large models are built without memory (``torch.device("meta")``) and then given
     their weights; nothing in construction may need real values."""
-    model = tiny_model(("nats", "gdn", "softmax"), rope=True).eval()
+    model = tiny_model(("nats", "linear", "softmax"), rope=True).eval()
     with torch.device("meta"):
         empty = NatsForCausalLM(model.config)
     assert all(p.is_meta for p in empty.parameters())

@@ -16,7 +16,7 @@ from nats.softmax_fraction import (
 from ..routes import routes_from_choices
 
 
-def _model(layer_types=("nats", "gdn", "nats")) -> NatsForCausalLM:
+def _model(layer_types=("nats", "linear", "nats")) -> NatsForCausalLM:
     torch.manual_seed(0)
     return NatsForCausalLM(NatsConfig(vocab_size=40, d_model=32, n_layers=len(layer_types),
                                       n_heads=2, softmax_heads_per_head=2, head_dim_k=16,

@@ -25,9 +25,9 @@ def test_builtin_spaces_load_and_fit_the_default_base() -> None:
 
 def test_fixed_trial_gives_the_expected_config() -> None:
     space = load_space("chunk-and-mix")
-    params = {"chunk_size": 32, "layer0": "gdn", "layer1": "nats", "softmax_target": 0.125}
+    params = {"chunk_size": 32, "layer0": "linear", "layer1": "nats", "softmax_target": 0.125}
     got = space.sample(FixedTrial(params), BASE)
-    model = BASE.model.replace(chunk_size=32, layer_types=("gdn", "nats"), softmax_target=0.125)
+    model = BASE.model.replace(chunk_size=32, layer_types=("linear", "nats"), softmax_target=0.125)
     assert got == BASE.replace(model=model)
 
 
@@ -40,9 +40,9 @@ def test_per_layer_choices_follow_the_depth() -> None:
     space = load_space("full")
     params = {"n_layers": 3, "d_model": 128, "chunk_size": 64, "softmax_heads_per_head": 4,
               "linear_op": "deltanet", "reg_lambda": 0.01, "lr": 0.002, "layer0": "softmax",
-              "layer1": "nats", "layer2": "gdn"}
+              "layer1": "nats", "layer2": "linear"}
     got = space.sample(FixedTrial(params), BASE)
-    assert got.model.layer_types == ("softmax", "nats", "gdn")
+    assert got.model.layer_types == ("softmax", "nats", "linear")
     assert got.model.linear_op == "deltanet"
     assert (got.model.n_layers, got.model.d_model, got.model.chunk_size) == (3, 128, 64)
     assert got.model.softmax_heads_per_head == 4 and got.lr == 0.002
@@ -54,14 +54,14 @@ def test_per_layer_choices_follow_the_depth() -> None:
 
 def test_every_k_pattern() -> None:
     space = space_from_dict({"params": {"n_layers": [4, 6], "layers": {
-        "every": [2, 3], "kind": "nats", "other": ["softmax", "gdn"]}}})
+        "every": [2, 3], "kind": "nats", "other": ["softmax", "linear"]}}})
     got = space.sample(FixedTrial({"n_layers": 6, "every": 3, "other_layers": "softmax"}), BASE)
     assert got.model.layer_types == ("softmax", "softmax", "nats") * 2
 
 
 def test_linear_op_dimension_validates_and_samples_every_operator() -> None:
     space = space_from_dict({"params": {"linear_op": list(LINEAR_OPS),
-                                        "layers": {"choices": ["nats", "gdn"]}}})
+                                        "layers": {"choices": ["nats", "linear"]}}})
     assert space.dim("linear_op").choices == LINEAR_OPS
     check_space_fits(space, BASE)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -79,11 +79,11 @@ def test_linear_op_dimension_validates_and_samples_every_operator() -> None:
 
 def test_branch_norm_is_a_routing_choice() -> None:
     space = space_from_dict({"params": {"branch_norm": ["both", "linear"],
-                                        "layers": {"choices": ["nats", "gdn"]}, "n_layers": 2}})
-    got = space.sample(FixedTrial({"layer0": "nats", "layer1": "gdn", "branch_norm": "linear"}),
+                                        "layers": {"choices": ["nats", "linear"]}, "n_layers": 2}})
+    got = space.sample(FixedTrial({"layer0": "nats", "layer1": "linear", "branch_norm": "linear"}),
                        BASE)
     assert got.model.branch_norm == "linear"
-    plain = space.sample(FixedTrial({"layer0": "gdn", "layer1": "gdn"}), BASE)  # not asked
+    plain = space.sample(FixedTrial({"layer0": "linear", "layer1": "linear"}), BASE)  # not asked
     assert plain.model.branch_norm == BASE.model.branch_norm
     with pytest.raises(SpaceError, match=r"branch_norm.*'both'"):
         space_from_dict({"params": {"branch_norm": ["rms"]}})
@@ -108,7 +108,7 @@ def test_define_by_run_asks_exactly_the_conditional_dimensions() -> None:
 def test_routing_parameters_are_asked_only_of_models_that_route() -> None:
     space = load_space("full")
     params = {"n_layers": 2, "d_model": 128, "softmax_heads_per_head": 4, "linear_op": "deltanet",
-              "lr": 0.002, "layer0": "softmax", "layer1": "gdn"}
+              "lr": 0.002, "layer0": "softmax", "layer1": "linear"}
     # No NAtS-L layer: chunk size and the routing cost are not asked for, the base's stay.
     got = space.sample(FixedTrial(params), BASE)
     assert (got.model.chunk_size, got.model.reg_lambda) == (BASE.model.chunk_size,
@@ -165,7 +165,7 @@ def test_unknown_space_name() -> None:
 
 def test_baselines_are_the_uniform_stacks_of_a_per_layer_mix() -> None:
     base = search_base("mqar-search")  # 2 layers, NAtS-L budget 0.5
-    pure = [{"layer0": "softmax", "layer1": "softmax"}, {"layer0": "gdn", "layer1": "gdn"}]
+    pure = [{"layer0": "softmax", "layer1": "softmax"}, {"layer0": "linear", "layer1": "linear"}]
     nats = {"layer0": "nats", "layer1": "nats", "softmax_target": 0.5}
     space = load_space("hybrid")
     assert space.baseline_points(base) == [*pure, nats]

@@ -13,9 +13,9 @@ from nats.trainers.config import ARCHITECTURES, architecture_layers, with_archit
 
 EXPECTED = {  # 4 layers, softmax every 2nd layer
     "transformer": ("softmax",) * 4,
-    "gdn": ("gdn",) * 4,
-    "layer-hybrid": ("gdn", "softmax", "gdn", "softmax"),
-    "natsl": ("gdn", "nats", "gdn", "nats"),
+    "gdn": ("linear",) * 4,
+    "layer-hybrid": ("linear", "softmax", "linear", "softmax"),
+    "natsl": ("linear", "nats", "linear", "nats"),
     "natsl-all": ("nats",) * 4,
 }
 
@@ -25,8 +25,8 @@ def test_every_architecture_is_listed_and_has_its_layers() -> None:
     for arch, layers in EXPECTED.items():
         assert architecture_layers(arch, 4) == layers
     assert architecture_layers("layer-hybrid", 6, softmax_every=3) == (
-        "gdn", "gdn", "softmax", "gdn", "gdn", "softmax")
-    assert architecture_layers("natsl", 2) == ("gdn", "nats")
+        "linear", "linear", "softmax", "linear", "linear", "softmax")
+    assert architecture_layers("natsl", 2) == ("linear", "nats")
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -58,6 +58,6 @@ def test_nats_train_arch_flag_trains_the_baseline(tmp_path) -> None:
     assert main(["train", "--preset", "mqar-tiny", "--arch", "layer-hybrid", "--steps", "2",
                  "--mqar-filler", "noise", "--device", "cpu", "--out", str(out)]) == 0
     saved = json.loads((out / "train_config.json").read_text())
-    assert saved["model"]["layer_types"] == ["gdn", "softmax"]
+    assert saved["model"]["layer_types"] == ["linear", "softmax"]
     assert saved["mqar_filler"] == "noise"
     assert json.loads((out / "model" / "config.json").read_text())["softmax_layers"] == [1]

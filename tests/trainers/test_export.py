@@ -67,7 +67,7 @@ def _readme_row(readme: str, layer: int) -> str:
 
 
 def test_layer_lists_in_config_dicts() -> None:
-    cfg = NatsConfig(n_layers=4, layer_types=("nats", "softmax", "gdn", "softmax"))
+    cfg = NatsConfig(n_layers=4, layer_types=("nats", "softmax", "linear", "softmax"))
     d = cfg.to_dict()
     assert (d["softmax_layers"], d["linear_layers"], d["hybrid_layers"]) == ([1, 3], [2], [0])
     assert NatsConfig.from_dict(d) == cfg
@@ -112,7 +112,7 @@ def test_export_draws_the_routes_of_the_first_evaluation_sequence(run: Path,
     # A model without routes, exported over it, leaves no picture of the old one.
     plain = NatsForCausalLM(NatsConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=2,
                                        head_dim_k=16, head_dim_v=16, chunk_size=16,
-                                       layer_types=("gdn",)))
+                                       layer_types=("linear",)))
     again = export_model(plain, tmp_path / "out", eval_batches=_eval_batches(run), force=True)
     assert again.routing_map is None and not (tmp_path / "out" / "routing_map.png").exists()
 
@@ -171,7 +171,7 @@ def test_the_export_carries_the_task_it_was_trained_on(run: Path, tmp_path: Path
 def test_readme_of_a_plain_stack_claims_no_routes(tmp_path: Path) -> None:
     config = NatsConfig(vocab_size=40, d_model=32, n_layers=2, n_heads=2,
                         softmax_heads_per_head=2, head_dim_k=16, head_dim_v=16, chunk_size=16,
-                        layer_types=("softmax", "gdn"))
+                        layer_types=("softmax", "linear"))
     batches = [(torch.randint(0, 40, (2, 40)), torch.randint(0, 40, (2, 40)))]
     result = export_model(NatsForCausalLM(config), tmp_path / "out", eval_batches=batches)
     readme = result.readme.read_text()
@@ -184,7 +184,7 @@ def test_plain_layers_replace_exactly_the_one_way_layers(tmp_path: Path) -> None
     torch.manual_seed(0)
     config = NatsConfig(vocab_size=40, d_model=32, n_layers=5, n_heads=2,
                         softmax_heads_per_head=2, head_dim_k=16, head_dim_v=16, chunk_size=16,
-                        layer_types=("nats", "softmax", "nats", "gdn", "nats"))
+                        layer_types=("nats", "softmax", "nats", "linear", "nats"))
     model = NatsForCausalLM(config)
     for layer, override in zip(model.nats_layers, ("softmax", "linear", 0.5), strict=True):
         layer.route_override = override  # layers 0, 2, 4
@@ -194,8 +194,8 @@ def test_plain_layers_replace_exactly_the_one_way_layers(tmp_path: Path) -> None
     assert torch.equal(torch.get_rng_state(), rng)  # the fresh init used its own seed
     assert {i: f.kind for i, f in result.fractions.items()} == \
         {0: "all-softmax", 2: "all-linear", 4: "mixed"}
-    assert result.converted == {0: "softmax", 2: "gdn"}
-    assert result.config.layer_types == ("softmax", "softmax", "gdn", "gdn", "nats")
+    assert result.converted == {0: "softmax", 2: "linear"}
+    assert result.config.layer_types == ("softmax", "softmax", "linear", "linear", "nats")
     saved = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (saved["softmax_layers"], saved["linear_layers"], saved["hybrid_layers"]) == \
         ([0, 1], [2, 3], [4])
@@ -215,7 +215,7 @@ def test_plain_layers_replace_exactly_the_one_way_layers(tmp_path: Path) -> None
     assert "layer 0 routed every chunk to softmax attention and is exported as a plain " \
         "softmax layer; layer 2 routed every chunk to linear attention and is exported as " \
         "a plain Gated DeltaNet layer." in readme
-    assert _readme_row(readme, 2).startswith("| 2 | nats | gdn | 0.000, 0.000 | 0.000 |")
+    assert _readme_row(readme, 2).startswith("| 2 | nats | linear | 0.000, 0.000 | 0.000 |")
 
     again = export_model(model, tmp_path / "again", eval_batches=batches, plain_layers=True)
     again_state = NatsForCausalLM.from_pretrained(tmp_path / "again").state_dict()
@@ -231,7 +231,7 @@ def test_plain_layers_of_a_run_folder(run: Path, tmp_path: Path) -> None:
     model.save_pretrained(copy / "model")
     expected = _fractions_from_routes(model, _eval_batches(copy))
     assert expected[0] == [1.0, 1.0]
-    one_way = {i: {1.0: "softmax", 0.0: "gdn"}[f[0]] for i, f in expected.items()
+    one_way = {i: {1.0: "softmax", 0.0: "linear"}[f[0]] for i, f in expected.items()
                if len(set(f)) == 1 and f[0] in (0.0, 1.0)}
 
     result = export_architecture(copy, tmp_path / "out", plain_layers=True)

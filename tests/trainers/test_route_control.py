@@ -74,7 +74,7 @@ def test_scorers_get_their_own_rate_and_no_weight_decay(micro: MicroConfig) -> N
     assert groups[0]["lr"] == pytest.approx(0.03) and groups[0]["weight_decay"] == 0.0
     others = [g for g in optimizer.param_groups if g is not groups[0]]
     assert all(g["lr"] == pytest.approx(0.01) for g in others)
-    plain = NatsForCausalLM(config.model.replace(layer_types=("gdn", "softmax")))
+    plain = NatsForCausalLM(config.model.replace(layer_types=("linear", "softmax")))
     assert len(build_optimizer(plain, config).param_groups) == 2
 
 

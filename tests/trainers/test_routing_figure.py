@@ -62,4 +62,4 @@ def test_paint_cells_is_nearest_neighbour() -> None:
 
 def test_layer_count_must_match() -> None:
     with pytest.raises(ValueError, match="layer types"):
-        routing_figure([None], ["softmax", "gdn"], chunk_size=4, seq_len=8)
+        routing_figure([None], ["softmax", "linear"], chunk_size=4, seq_len=8)
