@@ -45,12 +45,13 @@ HF_KEYS: dict[str, Any] = {"model_type": "nats", "architectures": ["NatsHFForCau
 Auto classes find the model (``nats.hf``); ``from_dict`` checks the type and drops both."""
 
 
-def canonical_layer_type(kind: Any) -> Any:
-    """``kind`` under its current name (``LAYER_TYPE_ALIASES``; a DeprecationWarning says
-    so); anything else unchanged, for the caller's check to refuse."""
+def canonical_layer_type(kind: Any, warn: bool = True) -> Any:
+    """``kind`` under its current name (``LAYER_TYPE_ALIASES``; with ``warn`` a
+    DeprecationWarning says so); anything else unchanged, for the caller's check to refuse."""
     if isinstance(kind, str) and kind in LAYER_TYPE_ALIASES:
-        warnings.warn(f"layer type {kind!r} is deprecated: use "
-                      f"{LAYER_TYPE_ALIASES[kind]!r}", DeprecationWarning, stacklevel=3)
+        if warn:
+            warnings.warn(f"layer type {kind!r} is deprecated: use "
+                          f"{LAYER_TYPE_ALIASES[kind]!r}", DeprecationWarning, stacklevel=3)
         return LAYER_TYPE_ALIASES[kind]
     return kind
 

@@ -175,7 +175,7 @@ class SearchSpace:
         n = base.model.n_layers
         points: list[dict[str, Any]] = [
             {f"layer{i}": kind for i in range(n)} for pure in ("softmax", "linear")
-            for kind in mix.choices if canonical_layer_type(kind) == pure]
+            for kind in mix.choices if canonical_layer_type(kind, warn=False) == pure]
         routing = [d for d in self.dims if d.name in ROUTING_PARAMS]
         if "nats" in mix.choices and all(_admits(d, getattr(base.model, d.name))
                                          for d in routing):
@@ -286,7 +286,7 @@ def _layer_types(where: str, key: str, values: Any) -> tuple[str, ...]:
         values = [values]
     if not isinstance(values, list) or not values or any(not _is_layer_type(v) for v in values):
         raise _err(where, key, values, f"a non-empty list from {LAYER_TYPES}")
-    if len({canonical_layer_type(v) for v in values}) != len(values):
+    if len({canonical_layer_type(v, warn=False) for v in values}) != len(values):
         raise _err(where, key, values, "a list without repeated layer types")
     # Kept as written: a search folder's saved space must give its study the same choices.
     return tuple(values)

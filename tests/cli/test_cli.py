@@ -206,7 +206,7 @@ def test_a_signal_saves_a_checkpoint_and_resume_continues(tmp_path: Path,
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on GPU-less machines")
 def test_bad_search_space_file_is_one_line(tmp_path: Path) -> None:
     space = tmp_path / "space.yaml"
-    space.write_text("params:\n  chunk_size: [16, 48]\n  layers: {choices: [nats, gdn]}\n")
+    space.write_text("params:\n  chunk_size: [16, 48]\n  layers: {choices: [nats, linear]}\n")
     done = _nats("search", "--space", str(space), "--out", str(tmp_path / "search"))
     assert done.returncode == 2
     assert done.stderr == f"nats: error: space file {space}: params.chunk_size = 48 is " \

@@ -207,7 +207,7 @@ def _interrupt_at_the_second_trial(out: Path, options: list[str],
     # A continuous dimension: no trial repeats another's configuration (which would report
     # at once, without training, and could end the search before the interrupt).
     space = out.parent / f"{out.name}-space.yaml"
-    space.write_text("params:\n  layers: {choices: [nats, gdn]}\n"
+    space.write_text("params:\n  layers: {choices: [nats, linear]}\n"
                      "  lr: {low: 0.001, high: 0.01, log: true}\n")
     watcher.start()
     try:
@@ -273,7 +273,7 @@ def test_a_copied_or_moved_search_resumes_in_the_copy_alone(tmp_path: Path, loca
 def test_a_configuration_proposed_again_is_not_trained_again(tmp_path: Path, local_ray,
                                                              capsys) -> None:
     space = tmp_path / "space.yaml"
-    space.write_text("params:\n  layers: {choices: [gdn, softmax]}\n  lr: [0.003]\n")
+    space.write_text("params:\n  layers: {choices: [linear, softmax]}\n  lr: [0.003]\n")
     out = tmp_path / "search"
     assert main(["search", *TINY, "--space", str(space), "--num-trials", "6",
                  "--max-concurrent", "1", "--seed", "0", "--out", str(out)]) == 0

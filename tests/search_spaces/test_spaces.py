@@ -131,7 +131,7 @@ def test_routing_parameters_are_asked_only_of_models_that_route() -> None:
                                        "sizes from (16, 32, 64, 128, 256)"),
     ("params: {layers: {choices: [nats, mamba]}}", "params.layers.choices"),
     ("params: {layers: {every: [0]}}", "params.layers.every"),
-    ("params: {layers: [nats, gdn]}", "params.layers"),
+    ("params: {layers: [nats, linear]}", "params.layers"),
     ("params: {reg_lambda: {low: 0, high: 1, log: true}}", "params.reg_lambda.low = 0"),
     ("params: {lr: {low: 0.1, high: 0.01}}", "low < high"),
     ("params: {lr: -1}", "params.lr = -1"),
@@ -195,3 +195,21 @@ def test_baselines_setting_is_a_bool() -> None:
 
     with pytest.raises(ValueError, match="baselines 'yes': must be true or false"):
         make_settings(load_space("hybrid"), search_base("mqar-search"), baselines="yes")
+
+
+def test_a_space_written_with_the_old_linear_layer_name_keeps_it() -> None:
+    """``gdn`` (the plain linear layer's old name) is still a layer type of a space: the
+    space asks Optuna the choices as written (a resumed search must), the config says
+    ``linear``, and the uniform stacks are queued as before."""
+    space = space_from_dict({"params": {"layers": {"choices": ["nats", "gdn", "softmax"]},
+                                        "lr": [0.003]}})
+    base = search_base("mqar-search")
+    assert space.layers.choices == ("nats", "gdn", "softmax")
+    assert space.baseline_points(base)[:2] == [{"layer0": "softmax", "layer1": "softmax"},
+                                               {"layer0": "gdn", "layer1": "gdn"}]
+    with pytest.warns(DeprecationWarning, match="'gdn' is deprecated"):
+        config = space.sample(FixedTrial({"layer0": "gdn", "layer1": "nats", "lr": 0.003}),
+                              base)
+    assert config.model.layer_types == ("linear", "nats")
+    with pytest.raises(SpaceError, match="repeated layer types"):
+        space_from_dict({"params": {"layers": {"choices": ["gdn", "linear"]}}})
