@@ -6,16 +6,15 @@ otherwise; ``"reference"`` and ``"triton"`` force one.
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Literal
 
 import torch
 
 from . import reference
+from .reference import norms as reference_norms
 from .reference.chunks import RouteGrad
 from .reference.linear_attention import normalised_linear_attention
-from .reference.norms import l2_norm as _l2_norm_reference
-from .reference.norms import merge_branches as _merge_branches_reference
-from .reference.norms import rms_norm as _rms_norm_reference
 
 Backend = Literal["auto", "reference", "triton"]
 BACKENDS = ("auto", "reference", "triton")
@@ -98,39 +97,32 @@ def hybrid_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                        cu_seqlens=cu_seqlens, width_multiple=aligned)
 
 
-def _norm_backend(backend: Backend, x: torch.Tensor) -> bool:
-    """Whether a row norm (or the merge) runs its Triton kernel: not for float64 (exact
-    tests), and not under ``torch.compile``, which fuses the plain form with its neighbours
-    instead."""
-    return (resolve_backend(backend, x) == "triton" and x.dtype != torch.float64
-            and not torch.compiler.is_compiling())
+def _norms(backend: Backend, x: torch.Tensor) -> ModuleType:
+    """The module that runs a row norm or the merge on ``x``: its Triton kernels, but the
+    plain form for float64 (exact tests) and under ``torch.compile``, which fuses the plain
+    form with its neighbours instead."""
+    if (resolve_backend(backend, x) == "triton" and x.dtype != torch.float64
+            and not torch.compiler.is_compiling()):
+        from .triton import norms  # imported lazily: Triton is optional on the CPU path
+
+        return norms
+    return reference_norms
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, *,
              backend: Backend = "auto") -> torch.Tensor:
     """RMS normalisation of the last dimension; see :func:`reference.norms.rms_norm`."""
-    if not _norm_backend(backend, x):
-        return _rms_norm_reference(x, weight, eps)
-    from .triton.norms import rms_norm as fused
-
-    return fused(x, weight, eps)
+    return _norms(backend, x).rms_norm(x, weight, eps)
 
 
 def l2_norm(x: torch.Tensor, eps: float = 1e-6, *, backend: Backend = "auto") -> torch.Tensor:
     """L2 normalisation of the last dimension; see :func:`reference.norms.l2_norm`."""
-    if not _norm_backend(backend, x):
-        return _l2_norm_reference(x, eps)
-    from .triton.norms import l2_norm as fused
-
-    return fused(x, eps)
+    return _norms(backend, x).l2_norm(x, eps)
 
 
 def merge_branches(a: torch.Tensor, b: torch.Tensor, weights: torch.Tensor,
                    gamma: torch.Tensor, eps: float, norm_a: bool, norm_b: bool,
                    out_dtype: torch.dtype, *, backend: Backend = "auto") -> torch.Tensor:
     """The NAtS-L merge of two branches; see :func:`reference.norms.merge_branches`."""
-    if not _norm_backend(backend, a):
-        return _merge_branches_reference(a, b, weights, gamma, eps, norm_a, norm_b, out_dtype)
-    from .triton.norms import merge_branches as fused
-
-    return fused(a, b, weights, gamma, eps, norm_a, norm_b, out_dtype)
+    return _norms(backend, a).merge_branches(a, b, weights, gamma, eps, norm_a, norm_b,
+                                             out_dtype)

@@ -35,7 +35,6 @@ from typing import Any
 
 from nats.config import (
     BRANCH_NORMS,
-    LAYER_TYPE_ALIASES,
     LAYER_TYPES,
     ConfigError,
     canonical_layer_type,
@@ -294,7 +293,7 @@ def _layer_types(where: str, key: str, values: Any) -> tuple[str, ...]:
 
 def _is_layer_type(value: Any) -> bool:
     """A current layer type or an old spelling of one (``LAYER_TYPE_ALIASES``)."""
-    return isinstance(value, str) and (value in LAYER_TYPES or value in LAYER_TYPE_ALIASES)
+    return isinstance(value, str) and canonical_layer_type(value, warn=False) in LAYER_TYPES
 
 
 def _layers(where: str, spec: Any) -> LayerMix:

@@ -11,11 +11,15 @@ import torch
 from .chunks import compute_dtype
 
 
+def _unit_rms(xf: torch.Tensor, eps: float) -> torch.Tensor:
+    """``xf / sqrt(mean(xf^2) + eps)`` over the last dimension, in ``xf``'s dtype."""
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None,
              eps: float = 1e-6) -> torch.Tensor:
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension."""
-    xf = x.to(compute_dtype(x))
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = _unit_rms(x.to(compute_dtype(x)), eps)
     return (y if weight is None else y * weight).to(x.dtype)
 
 
@@ -35,8 +39,6 @@ def merge_branches(a: torch.Tensor, b: torch.Tensor, weights: torch.Tensor,
     returned in ``out_dtype``.
     """
     af, bf = (t.to(compute_dtype(t)) for t in (a, b))
-    if norm_a:
-        af = af * torch.rsqrt(af.pow(2).mean(-1, keepdim=True) + eps)
-    if norm_b:
-        bf = bf * torch.rsqrt(bf.pow(2).mean(-1, keepdim=True) + eps)
+    af = _unit_rms(af, eps) if norm_a else af
+    bf = _unit_rms(bf, eps) if norm_b else bf
     return ((weights[..., :1] * af + weights[..., 1:] * bf) * gamma).to(out_dtype)
