@@ -103,13 +103,13 @@ def weighted_exp(shifted: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``weights * exp(shifted)`` where ``shifted`` is a score minus the max over keys with
     weight > 0.
 
-    Keys of weight 0 (chunks routed to linear) may score far above that max; their
-    exponent is capped so that ``0 * exp`` stays 0 rather than ``0 * inf = NaN``. Only
-    the ``"both"`` route gradient at such a key, which would exceed ``exp(cap)``, is
-    capped.
+    Keys of weight 0 (chunks routed to linear, the future) may score far above that max;
+    their exponent is capped so that ``0 * exp`` stays 0 rather than ``0 * inf = NaN``.
+    Keys of weight > 0 are at most 0 and never reach the cap, so only the ``"both"`` route
+    gradient at a weight-0 key that would exceed ``exp(cap)`` is capped.
     """
     cap = 0.5 * math.log(torch.finfo(shifted.dtype).max)
-    return weights * torch.exp(torch.where(weights.detach() > 0, shifted, shifted.clamp(max=cap)))
+    return weights * torch.exp(shifted.clamp(max=cap))
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -83,12 +83,16 @@ def hybrid_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
 
     state = (torch.zeros(batch, heads, d_k, d_v, dtype=dt, device=q.device)
              if initial_state is None else initial_state.to(dt))
+    chunk_decay = gc[..., -1, None, None].exp()
+    # Chunk-major copies, one chunk at a time: slicing [B, H, N, ...] per chunk would make
+    # autograd zero-fill a full-size gradient for every slice.
+    per_chunk = (x.movedim(2, 0).contiguous().unbind(0)
+                 for x in (u, w, q_decayed, qk, k_to_end, chunk_decay, z[..., None, None]))
     outs = []
-    for i in range(n):
-        w_rows = u[:, :, i] - w[:, :, i] @ state
-        outs.append(q_decayed[:, :, i] @ state + qk[:, :, i] @ w_rows)
-        write = k_to_end[:, :, i].transpose(-1, -2) @ w_rows
-        state = gc[:, :, i, -1, None, None].exp() * state + z[:, :, i, None, None] * write
+    for u_i, w_i, qd_i, qk_i, ke_i, decay_i, z_i in zip(*per_chunk, strict=True):
+        w_rows = u_i - w_i @ state
+        outs.append(qd_i @ state + qk_i @ w_rows)
+        state = decay_i * state + z_i * (ke_i.transpose(-1, -2) @ w_rows)
     o = torch.stack(outs, 2).reshape(batch, heads, n * c, d_v)[:, :, :seq_len].transpose(1, 2)
     return o.to(v.dtype), state if output_final_state else None
 

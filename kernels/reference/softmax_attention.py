@@ -32,14 +32,12 @@ def weighted_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ``[B, Hq, T, T]`` (0 where a key is invisible). Every query must see itself.
     """
     dt = compute_dtype(q)
-    s = torch.einsum("bihd,bjhd->bhij", q.to(dt), k.to(dt)) * scale
-    visible = weights.detach() > 0
+    s = torch.einsum("bihd,bjhd->bhij", q.to(dt) * scale, k.to(dt))
     # Subtracting the max over visible keys keeps exp() in range; it cancels exactly.
-    m = s.masked_fill(~visible, float("-inf")).amax(-1, keepdim=True).detach()
-    # Invisible positions of the future never enter; earlier unselected chunks keep
-    # exp(s - m) so that the "both" route gradient exists there.
-    future = ~_causal(s.shape[-1], s.device)
-    p = weighted_exp((s - m).masked_fill(future, -torch.inf), weights.to(dt))
+    # Invisible keys (the future, earlier chunks routed to linear) keep their weight 0 in
+    # the product, so that the "both" route gradient exists at earlier chunks.
+    m = s.detach().masked_fill(weights.detach() <= 0, float("-inf")).amax(-1, keepdim=True)
+    p = weighted_exp(s - m, weights.to(dt))
     o = torch.einsum("bhij,bjhd->bihd", p, v.to(dt)) / p.sum(-1).transpose(1, 2).unsqueeze(-1)
     return o.to(v.dtype)
 

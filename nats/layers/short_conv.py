@@ -21,9 +21,7 @@ class ShortConvolution(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.conv1d(F.pad(x.transpose(1, 2), (self.kernel_size - 1, 0)), self.weight,
-                     groups=self.weight.shape[0])
-        return F.silu(y.transpose(1, 2))
+        return F.silu(causal_depthwise_conv(x, self.weight))
 
     def tail(self, x: torch.Tensor) -> torch.Tensor:
         """The decode state after ``x``: its last ``kernel_size - 1`` inputs, zero-padded."""
@@ -35,3 +33,25 @@ class ShortConvolution(nn.Module):
         window = torch.cat([state, x], 1)  # [B, K, C]
         y = torch.einsum("bkc,ck->bc", window, self.weight[:, 0]).unsqueeze(1)
         return F.silu(y), window[:, 1:]
+
+
+def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``y_t = sum_i weight[:, 0, i] * x_{t - K + 1 + i}`` over ``x`` ``[B, T, C]`` (zeros
+    before the start), ``weight`` ``[C, 1, K]``.
+
+    On CUDA this is one grouped ``conv1d``. On the CPU it is ``K`` shifted products
+    instead: the grouped convolution's backward there runs a slow depthwise path on the
+    transposed layout, and the shifted form keeps ``[B, T, C]`` contiguous throughout.
+    """
+    kernel_size = weight.shape[-1]
+    if x.is_cuda:
+        y = F.conv1d(F.pad(x.transpose(1, 2), (kernel_size - 1, 0)), weight,
+                     groups=weight.shape[0])
+        return y.transpose(1, 2)
+    seq_len = x.shape[1]
+    padded = F.pad(x, (0, 0, kernel_size - 1, 0))
+    taps = weight[:, 0].t()  # [K, C]
+    y = padded[:, kernel_size - 1:] * taps[-1]
+    for i in range(kernel_size - 1):
+        y = y + padded[:, i:i + seq_len] * taps[i]
+    return y
