@@ -25,6 +25,7 @@ from nats.atomic_write import atomic_write_bytes
 from nats.cost_model import IMPLIED_FRACTION, architecture_cost
 from nats.latency import prefill_latency_ms
 from nats.trainers import TrainConfig, build_batches, evaluate
+from nats.trainers.evaluation import layer_fractions
 from nats.trainers.loop import autocast_for
 from nats.trainers.sources import LoadedModel
 
@@ -42,19 +43,6 @@ def length_label(seq_len: int, train_seq_len: int | None) -> str:
         return "training length"
     side = "longer" if seq_len > train_seq_len else "shorter"
     return f"{side} than training ({train_seq_len})"
-
-
-def layer_fractions(model: NatsForCausalLM, metrics: dict[str, float]) -> list[dict[str, Any]]:
-    """Per layer: its type and softmax fraction (measured for NAtS-L, fixed otherwise)."""
-    out = []
-    for i, kind in enumerate(model.config.layer_types):
-        if kind == "nats":
-            out.append({"layer": i, "kind": kind, "measured": True,
-                        "softmax_fraction": metrics[f"eval/attn_frac/layer{i}"]})
-        else:
-            out.append({"layer": i, "kind": kind, "measured": False,
-                        "softmax_fraction": IMPLIED_FRACTION[kind]})
-    return out
 
 
 class _Memory:
@@ -102,8 +90,11 @@ def evaluate_slice(model: NatsForCausalLM, config: TrainConfig, batches: int,
     if progress is not None:
         progress.update(batches)
     m = result.metrics
-    layers = layer_fractions(model, m)
-    fractions = [x["softmax_fraction"] if x["kind"] == "nats" else None for x in layers]
+    fractions = layer_fractions(model.config.layer_types, m)
+    layers = [{"layer": i, "kind": kind, "measured": f is not None,
+               "softmax_fraction": IMPLIED_FRACTION[kind] if f is None else f}
+              for i, (kind, f) in enumerate(zip(model.config.layer_types, fractions,
+                                                strict=True))]
     tokens = sum(x.numel() for x, _ in data)
     out: dict[str, Any] = {
         "name": slice_name(config), "task": config.task, "params": slice_params(config),

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 from nats.config import NatsConfig
 from nats.cost_model import architecture_cost
+from nats.trainers.evaluation import layer_fractions
 
 QUALITY = {
     "loss": ("eval/ce", "min"),
@@ -42,24 +43,10 @@ OBJECTIVES = ("pareto", "quality", "cost")
 """``pareto``: quality and cost (multi-objective); ``quality`` or ``cost`` alone."""
 
 
-def layer_fractions(config: NatsConfig, metrics: Mapping[str, float]) -> list[float | None]:
-    """Each layer's measured softmax fraction (NAtS-L layers) or ``None`` (others)."""
-    out: list[float | None] = []
-    for i, kind in enumerate(config.layer_types):
-        if kind != "nats":
-            out.append(None)
-            continue
-        key = f"eval/attn_frac/layer{i}"
-        if key not in metrics:
-            raise ValueError(f"metrics lack {key}, the softmax fraction of NAtS-L layer {i}")
-        out.append(float(metrics[key]))
-    return out
-
-
 def cost_metrics(config: NatsConfig, metrics: Mapping[str, float],
                  context: int) -> dict[str, float]:
     """``cost/*`` values of the model at ``context`` tokens with the measured fractions."""
-    cost = architecture_cost(config, layer_fractions(config, metrics), context)
+    cost = architecture_cost(config, layer_fractions(config.layer_types, metrics), context)
     return {"cost/flops_per_token": float(cost.flops_per_token),
             "cost/softmax_flops_per_token": float(cost.softmax_flops_per_token),
             "cost/kv_cache_bytes": float(cost.kv_cache_bytes),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +49,23 @@ def frac_scalars(prefix: str, attn_frac: list[torch.Tensor | None]) -> dict[str,
         out[f"{prefix}/attn_frac/layer{i}"] = layer_means[-1]
     if layer_means:
         out[f"{prefix}/attn_frac"] = sum(layer_means) / len(layer_means)
+    return out
+
+
+def layer_fractions(layer_types: tuple[str, ...],
+                    metrics: Mapping[str, float]) -> list[float | None]:
+    """Each layer's softmax fraction read back from :func:`frac_scalars`' tags (prefix
+    ``eval``): measured for NAtS-L layers, ``None`` for the others, whose fraction their
+    type fixes."""
+    out: list[float | None] = []
+    for i, kind in enumerate(layer_types):
+        if kind != "nats":
+            out.append(None)
+            continue
+        key = f"eval/attn_frac/layer{i}"
+        if key not in metrics:
+            raise ValueError(f"metrics lack {key}, the softmax fraction of NAtS-L layer {i}")
+        out.append(float(metrics[key]))
     return out
 
 

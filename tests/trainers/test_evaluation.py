@@ -84,3 +84,11 @@ def test_labels_without_a_loss_position_are_an_error_not_a_number() -> None:
         model(x, labels=masked)
     with pytest.raises(ValueError, match="hold no labelled token"):
         evaluate(model, [(x, masked)], torch.device("cpu"))
+
+
+def test_layer_fractions_read_back_what_frac_scalars_wrote() -> None:
+    from nats.trainers.evaluation import frac_scalars, layer_fractions
+    metrics = frac_scalars("eval", [torch.tensor([0.25, 0.75]), None, torch.tensor([1.0])])
+    assert layer_fractions(("nats", "linear", "nats"), metrics) == [0.5, None, 1.0]
+    with pytest.raises(ValueError, match="eval/attn_frac/layer1"):
+        layer_fractions(("softmax", "nats"), metrics)
