@@ -201,6 +201,9 @@ class NatsAttention(nn.Module):
 
         Returns ``store_k, store_v`` ``[B, H, r, M, C, D]`` and the real slot counts
         ``[B, H]``; slots past a head's count hold stale data that decoding never reads.
+        As the softmax layer's cache, the store keeps room for a quarter more chunks: full,
+        the first chunk closed after the prompt would move it, and a graphed decoder would
+        capture its step again.
         """
         c, h, r = self.cfg.chunk_size, self.cfg.n_heads, self.cfg.softmax_heads_per_head
         batch = ks.shape[0]
@@ -210,15 +213,16 @@ class NatsAttention(nn.Module):
                     vs.new_zeros(batch, h, r, 1, c, vs.shape[-1]), counts)
         is_sm = routes[:, :done, :, SOFTMAX] > 0.5  # [B, done, H]
         counts = is_sm.sum(1)
-        slots = max(int(counts.max()), 1)
+        filled = max(int(counts.max()), 1)
+        room = (0, 0, 0, 0, 0, max(1, filled // 4))
         # Softmax chunks first, each group in chunk order: a stable sort on "is linear".
-        order = torch.sort((~is_sm).int(), dim=1, stable=True).indices[:, :slots]
+        order = torch.sort((~is_sm).int(), dim=1, stable=True).indices[:, :filled]
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             d = t.shape[-1]
             chunks = t[:, : done * c].reshape(batch, done, c, h, r, d).permute(0, 3, 1, 2, 4, 5)
             idx = order.permute(0, 2, 1)[..., None, None, None].expand(-1, -1, -1, c, r, d)
-            return torch.gather(chunks, 2, idx).permute(0, 1, 4, 2, 3, 5).contiguous()
+            return F.pad(torch.gather(chunks, 2, idx).permute(0, 1, 4, 2, 3, 5), room)
 
         return pack(ks), pack(vs), counts
 

@@ -55,6 +55,22 @@ def test_kv_cache_holds_only_softmax_chunks():
     assert sizes == {"softmax": 16 * per_chunk, 0.25: 4 * per_chunk, "linear": 0}
 
 
+@pytest.mark.parametrize("override", ["softmax", 0.25])
+def test_the_store_has_room_for_the_chunks_after_the_prompt(override):
+    """A store filled by the prompt would move at the next chunk's close, and a graphed
+    decoder would capture its step again (what cost NAtS-L ~1 ms per token in short
+    decode benchmarks); the store keeps room, as the softmax layer's cache does."""
+    model = tiny_model(("nats",))
+    model.set_route_override(override)
+    ids = torch.randint(0, 50, (1, 16 * 16 + 16), generator=torch.Generator().manual_seed(5))
+    _, cache = model.prefill(ids[:, :16 * 16])
+    buffers = [t.data_ptr() for t in cache.buffers()]
+    for t in range(16 * 16, ids.shape[1]):  # one more chunk, closed by its last token
+        model.decode_step(ids[:, t], cache)
+    assert cache.layers[0].store_chunks.max() > {"softmax": 16, 0.25: 4}[override] - 1
+    assert [t.data_ptr() for t in cache.buffers()] == buffers
+
+
 def test_greedy_generate_equals_repeated_full_forward():
     model = tiny_model(("nats", "linear", "softmax"))
     prompt = torch.randint(0, 50, (2, 13), generator=torch.Generator().manual_seed(4))
