@@ -29,7 +29,9 @@ def weighted_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """``o_i = sum_j w_ij e^{s_ij} v_j / sum_j w_ij e^{s_ij}`` over dense key weights.
 
     q, k ``[B, T, Hq, Dk]``, v ``[B, T, Hq, Dv]``, weights broadcastable to
-    ``[B, Hq, T, T]`` (0 where a key is invisible). Every query must see itself.
+    ``[B, Hq, T, T]`` (0 where a key is invisible). Every query must see itself. An
+    invisible key enters as ``0 * exp(capped score)``: finite scores never reach a query
+    that cannot see them, a NaN would.
     """
     dt = compute_dtype(q)
     s = torch.einsum("bihd,bjhd->bhij", q.to(dt) * scale, k.to(dt))

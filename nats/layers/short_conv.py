@@ -54,4 +54,5 @@ def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     y = padded[:, kernel_size - 1:] * taps[-1]
     for i in range(kernel_size - 1):
         y = y + padded[:, i:i + seq_len] * taps[i]
-    return y
+    # In x's dtype, as conv1d gives it under autocast (bf16 inputs, float32 weights).
+    return y.to(x.dtype)

@@ -31,6 +31,15 @@ def test_shifted_products_match_conv1d_and_its_gradients(seq_len: int, kernel_si
     torch.testing.assert_close(dw, dw_ref)
 
 
+def test_cpu_autocast_keeps_the_dtype_conv1d_gives() -> None:
+    x = torch.randn(2, 5, 6)
+    w = torch.randn(6, 1, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = causal_depthwise_conv(x.bfloat16(), w), _conv1d(x.bfloat16(), w)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.02)
+
+
 def test_decode_steps_reproduce_the_parallel_form() -> None:
     torch.manual_seed(0)
     conv = ShortConvolution(5, 4).double()
