@@ -16,10 +16,9 @@ the pairs' chunk and the other chunks went to softmax) and writes them to
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-import torch
+import common
 
 from nats.config import BRANCH_NORMS
 from nats.search_spaces.builtin import search_base
@@ -43,13 +42,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", type=Path, default=Path("runs/branch-norm"))
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    results = []
-    for seed in args.seeds:
-        for norm in args.norms:
-            results.append(run(norm, seed, args.out))
-            print(json.dumps(results[-1]), flush=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    common.run_rows_per_seed(run, args.norms, args.seeds, args.out)
 
 
 if __name__ == "__main__":

@@ -411,3 +411,17 @@ def write_table(out: Path, title: str, table: str, notes: Sequence[str]) -> None
     text = "\n".join([f"## {title}", "", table, "", *notes, "", ran, ""])
     (out / "table.md").write_text(text)
     print(text)
+
+
+def run_rows_per_seed(run: Callable[[str, int, Path], dict[str, Any]], rows: Sequence[str],
+                      seeds: Sequence[int], out: Path) -> None:
+    """``run(row, seed, out)`` for every seed and row, in this process on one thread (as a
+    search trial trains): a JSON line per run printed as it ends, all of them in
+    ``out``/results.json."""
+    torch.set_num_threads(1)
+    results = []
+    for seed in seeds:
+        for row in rows:
+            results.append(run(row, seed, out))
+            print(json.dumps(results[-1]), flush=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))

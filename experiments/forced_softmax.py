@@ -19,7 +19,6 @@ Prints one line per run (eval accuracy and loss) and writes them to ``--out``/re
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import common
@@ -62,13 +61,7 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
     parser.add_argument("--out", type=Path, default=Path("runs/forced-softmax"))
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    results = []
-    for seed in args.seeds:
-        for row in args.rows:
-            results.append(run(row, seed, args.out))
-            print(json.dumps(results[-1]), flush=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    common.run_rows_per_seed(run, args.rows, args.seeds, args.out)
 
 
 if __name__ == "__main__":
