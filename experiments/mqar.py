@@ -24,7 +24,8 @@ SCALES = {
     # Trained at 256 tokens on a mixture of 4..64 pairs per batch (Zoology's "up to 64"):
     # from scratch on 64 pairs alone, vocabulary 8192, lr 5e-4, 1500 steps learned nothing.
     # 4000 steps: Gated DeltaNet (no output gate) reached 0.84 at 256/64 after 3000 at lr
-    # 3e-3 and 0.20 at 1e-2 (docs/RESULTS.md, "Recipe sweep").
+    # 3e-3 and 0.20 at 1e-2 (docs/RESULTS.md, "Recipe sweep"); it needs --steps 14000 and
+    # lr 1e-3 to learn 256/64 on every seed ("MQAR: Gated DeltaNet given more steps").
     "gpu": dict(vocab=1024, d_model=128, head_dim=64, chunk=32, train=(256, 64),
                 mix=(4, 8, 16, 32, 64), steps=4000, batch=64, lrs=(3e-3,),
                 seeds=(0, 1, 2), eval_batches=4,
