@@ -35,6 +35,7 @@ from nats.atomic_write import atomic_write_bytes
 from nats.config import NatsConfig
 from nats.latency import median_ms
 from nats.model import NatsForCausalLM
+from nats.trainers.config import architecture_layers
 
 from .decode_benchmark import time_decode
 
@@ -82,8 +83,10 @@ class ModelBenchConfig:
             raise ValueError(f"compile must be True or False, got {self.compile!r}")
         if any(not 0 <= f <= 1 for f in self.fractions):
             raise ValueError(f"--fractions must lie in [0, 1], got {list(self.fractions)}")
-        if any(not 0 < s <= 1 for s in self.layer_hybrid_shares):
-            raise ValueError("--layer-hybrid-shares must lie in (0, 1]")
+        if any(not 1 / self.n_layers <= s <= 1 for s in self.layer_hybrid_shares):
+            raise ValueError(f"--layer-hybrid-shares must lie in [1/n_layers, 1] = "
+                             f"[{1 / self.n_layers:.3g}, 1] (softmax in at least one layer), "
+                             f"got {list(self.layer_hybrid_shares)}")
         if self.n_heads * self.head_dim != self.d_model or self.head_dim % 2:
             raise ValueError(f"n_heads x head_dim must be d_model ({self.n_heads} x "
                              f"{self.head_dim} != {self.d_model}) with an even head_dim")
@@ -117,8 +120,7 @@ def variants(config: ModelBenchConfig) -> list[Variant]:
            Variant("all-linear", ("linear",) * n, None, 0.0)]
     out += [Variant(f"nats@{f:g}", ("nats",) * n, f, f) for f in config.fractions]
     for share in config.layer_hybrid_shares:
-        every = max(1, round(1 / share))
-        types = tuple("softmax" if (i + 1) % every == 0 else "linear" for i in range(n))
+        types = architecture_layers("layer-hybrid", n, round(1 / share))
         out.append(Variant(f"layer-hybrid@{share:g}", types, None,
                            types.count("softmax") / n))
     return out

@@ -25,6 +25,9 @@ def test_the_forms_and_what_they_hold(tmp_path: Path) -> None:
     hybrid = variants(config)[-1]
     assert hybrid.layer_types == ("linear", "linear", "linear", "softmax")
     assert hybrid.softmax_share == 0.25
+    assert [v.layer_types for v in variants(ModelBenchConfig(
+        **{**SMALL, "layer_hybrid_shares": (1.0, 0.5, 0.3)}))][-3:] == [
+        ("softmax",) * 4, ("linear", "softmax") * 2, ("linear", "linear", "softmax", "linear")]
 
     report = run_model_benchmark(config, tmp_path / "model.json", log=lambda _: None)
     assert json.loads((tmp_path / "model.json").read_text()) == json.loads(json.dumps(report))
@@ -57,6 +60,9 @@ def test_the_command_and_its_refusals(tmp_path: Path, capsys) -> None:
     assert "n_heads x head_dim must be d_model" in capsys.readouterr().err
     assert main([*args, "--fractions", "1.5"]) == 2
     assert "--fractions must lie in [0, 1]" in capsys.readouterr().err
+    assert main([*args, "--layer-hybrid-shares", "0.25"]) == 2  # under one layer of two
+    assert "--layer-hybrid-shares must lie in [1/n_layers, 1] = [0.5, 1]" \
+        in capsys.readouterr().err
 
 
 def test_a_measure_given_no_lengths_is_skipped(tmp_path: Path) -> None:
