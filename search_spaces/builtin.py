@@ -37,7 +37,8 @@ BUILTIN_SPACES: dict[str, dict[str, Any]] = {
     },
     "full": {
         "description": "depth (per-layer types follow it), width, chunk size, softmax heads "
-                       "per routing head, linear operator, lambda and learning rate",
+                       "per routing head, linear operator, branch norm, lambda and learning "
+                       "rate",
         "params": {
             "n_layers": [2, 3, 4],
             "d_model": [64, 128],
@@ -45,6 +46,8 @@ BUILTIN_SPACES: dict[str, dict[str, Any]] = {
             "layers": {"choices": ["nats", "linear", "softmax"]},
             "softmax_heads_per_head": [1, 2, 4],
             "linear_op": list(LINEAR_OPS),
+            # Retrieval wants "linear", concentrated recall "both" (docs/RESULTS.md).
+            "branch_norm": ["both", "linear"],
             "reg_lambda": {"low": 0.001, "high": 0.3, "log": True},
             "lr": {"low": 0.001, "high": 0.01, "log": True},
         },

@@ -39,11 +39,11 @@ def test_the_budget_is_checked_as_a_share() -> None:
 def test_per_layer_choices_follow_the_depth() -> None:
     space = load_space("full")
     params = {"n_layers": 3, "d_model": 128, "chunk_size": 64, "softmax_heads_per_head": 4,
-              "linear_op": "deltanet", "reg_lambda": 0.01, "lr": 0.002, "layer0": "softmax",
-              "layer1": "nats", "layer2": "linear"}
+              "linear_op": "deltanet", "branch_norm": "linear", "reg_lambda": 0.01, "lr": 0.002,
+              "layer0": "softmax", "layer1": "nats", "layer2": "linear"}
     got = space.sample(FixedTrial(params), BASE)
     assert got.model.layer_types == ("softmax", "nats", "linear")
-    assert got.model.linear_op == "deltanet"
+    assert got.model.linear_op == "deltanet" and got.model.branch_norm == "linear"
     assert (got.model.n_layers, got.model.d_model, got.model.chunk_size) == (3, 128, 64)
     assert got.model.softmax_heads_per_head == 4 and got.lr == 0.002
     two = space.sample(FixedTrial({**params, "n_layers": 2}), BASE)  # layer2 is not asked
@@ -114,8 +114,9 @@ def test_routing_parameters_are_asked_only_of_models_that_route() -> None:
     assert (got.model.chunk_size, got.model.reg_lambda) == (BASE.model.chunk_size,
                                                             BASE.model.reg_lambda)
     routed = space.sample(FixedTrial({**params, "layer1": "nats", "chunk_size": 32,
-                                      "reg_lambda": 0.05}), BASE)
+                                      "branch_norm": "linear", "reg_lambda": 0.05}), BASE)
     assert (routed.model.chunk_size, routed.model.reg_lambda) == (32, 0.05)
+    assert routed.model.branch_norm == "linear" and got.model.branch_norm == "both"
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     for _ in range(20):
