@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -43,6 +44,14 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="training length of an exported model (runs know their own)")
     p.add_argument("--prefill", type=int, nargs="+", default=[], metavar="T",
                    help="also time a batch-1 prefill of T tokens")
+    p.add_argument("--calibrate-budget", type=float, metavar="FRACTION",
+                   help="first set each budgeted NAtS-L layer's routing bias so that it sends "
+                        "FRACTION of the first slice's routable chunks to softmax (on "
+                        "--batches batches that evaluation does not read); the budget held "
+                        "in training is a share of the training data, not of this workload")
+    p.add_argument("--save-model", type=Path, metavar="DIR",
+                   help="with --calibrate-budget: also save the calibrated model to DIR (a "
+                        "new or empty folder)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--out", type=Path, default=Path("eval.json"),
                    help="JSON file of every result (default eval.json)")
@@ -51,16 +60,24 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def eval_command(args: argparse.Namespace) -> int:
-    from nats.trainers import TrainConfig, resolve_device
+    from nats.trainers import TrainConfig, build_batches, resolve_device
+    from nats.trainers.route_control import calibrate_budget
     from nats.trainers.sources import load_model
 
     from .harness import run_eval, summary_lines
-    from .slices import slice_configs
+    from .slices import slice_configs, slice_name
 
     for name in ("batches", "batch_size", "train_seq_len"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.save_model is not None:
+        if args.calibrate_budget is None:
+            raise ValueError("--save-model saves a calibrated model: give --calibrate-budget")
+        if args.save_model.exists() and (not args.save_model.is_dir()
+                                         or any(args.save_model.iterdir())):
+            raise ValueError(f"--save-model {args.save_model} exists and is not an empty "
+                             "folder")
     device = resolve_device(args.device)
     loaded = load_model(args.source, device)
     task = args.task or (loaded.train_config.task if loaded.train_config else "mqar")
@@ -76,6 +93,22 @@ def eval_command(args: argparse.Namespace) -> int:
     if loaded.train_config is None and args.task is None:
         print(f"nats: warning: the task {loaded.origin} was trained on is unknown; evaluating "
               "on 'mqar' (choose with --task)", file=sys.stderr)
+    if args.calibrate_budget is not None:
+        layers = calibrate_budget(loaded.model.to(device), [
+            ids.to(device) for ids, _ in build_batches(slices[0]).calibration(args.batches)],
+            args.calibrate_budget)
+        print(f"nats: calibrated the routing biases to {args.calibrate_budget:g} on "
+              f"{slice_name(slices[0])}: " + ", ".join(
+                  f"layer {c.layer} bias {c.bias:.3f} share {c.share:.3f}" for c in layers))
+        if any(abs(c.share - args.calibrate_budget) > 0.05 for c in layers):
+            print("nats: warning: tied routing scores (an untrained scorer?) keep a layer's "
+                  "share away from the target", file=sys.stderr)
+        loaded = dataclasses.replace(loaded, origin=(
+            f"{loaded.origin}, routing biases calibrated to {args.calibrate_budget:g} on "
+            f"{slice_name(slices[0])}"))
+        if args.save_model is not None:
+            loaded.model.save_pretrained(args.save_model)
+            print(f"nats: saved the calibrated model to {args.save_model}")
     report = run_eval(loaded, slices, args.batches, device, args.train_seq_len, args.prefill,
                       args.out)
     print("\n".join(summary_lines(report)))

@@ -72,6 +72,16 @@ class Batches:
         return self.train_source.sample(self.batch_size,
                                         stream_generator(self.seed, "train", step))
 
+    def calibration(self, count: int) -> list[Batch]:
+        """``count`` batches of the evaluation task that evaluation never reads (a stream of
+        their own), to fit something to the evaluated data without tuning on it. Text has
+        no second held-out stream: its training windows serve."""
+        if isinstance(self.eval_source, StreamWindows):
+            return [self.train(step) for step in range(count)]
+        return [self.eval_source.sample(self.batch_size,
+                                        stream_generator(self.eval_seed, "calibration", i))
+                for i in range(count)]
+
     def eval(self, count: int) -> list[Batch]:
         """The fixed evaluation batches, the same at every evaluation."""
         if isinstance(self.eval_source, StreamWindows):

@@ -7,6 +7,9 @@ exactly as an uninterrupted one (the budget's biases are buffers saved with the 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -59,6 +62,71 @@ def update_budget(model: NatsForCausalLM, routable_frac: list[torch.Tensor | Non
     errors = fracs if cfg.budget_scope == "layer" else [sum(fracs) / len(fracs)] * len(fracs)
     for layer, error in zip(model.nats_layers, errors, strict=True):
         layer.budget.route_bias -= config.budget_rate * (error - target)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """One layer's calibrated routing bias and the share it routes on the calibration
+    batches (off the target only where scores tie, as an untrained scorer's do)."""
+
+    layer: int
+    bias: float
+    share: float
+
+
+@torch.no_grad()
+def calibrate_budget(model: NatsForCausalLM, batches: Sequence[torch.Tensor],
+                     target: float) -> list[Calibration]:
+    """Set every budgeted NAtS-L layer's routing bias so that it sends ``target`` of the
+    routable chunks of ``batches`` (input ids) to softmax.
+
+    The budget's controller holds the share on the training batches; data with other
+    content routes another share (a recall model trained on a mixture of 8-32 pairs routed
+    0.32 at 32 pairs under a 0.25 budget: docs/RESULTS.md). Calibrating on the workload
+    makes the cost paid there the cost asked for. Layers are calibrated first to last, as
+    a layer's routes change what the next one sees; each layer gets ``target`` (also under
+    ``budget_scope="model"``, whose mean it then is).
+    """
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target < 1:
+        raise ValueError(f"the calibration target must be a fraction in (0, 1), got {target!r}")
+    layers = [(i, block.mixer) for i, block in enumerate(model.blocks)
+              if block.mixer in model.nats_layers and block.mixer.cfg.softmax_target is not None]
+    if not layers:
+        raise ValueError("the model has no NAtS-L layer under a softmax budget "
+                         "(softmax_target) to calibrate")
+    was_training = model.training
+    model.eval()
+    out = []
+    for index, layer in layers:
+        z = _routable_scores(model, layer.budget, batches)
+        if z.numel() == 0:
+            raise ValueError("the calibration batches hold no sequence of more than one chunk")
+        # A chunk goes to softmax iff z + bias > 0, so the bias is minus z's quantile.
+        layer.budget.route_bias.fill_(-float(torch.quantile(z, 1 - target)))
+        bias = float(layer.budget.route_bias)
+        out.append(Calibration(index, bias, float((z + bias > 0).float().mean())))
+    model.train(was_training)
+    return out
+
+
+def _routable_scores(model: NatsForCausalLM, budget: torch.nn.Module,
+                     batches: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The standardised scores ``z`` (before the bias) of every routable chunk and head
+    that ``budget`` sees while ``model`` runs ``batches``."""
+    scores: list[torch.Tensor] = []
+
+    def keep(module: torch.nn.Module, _: Any, out: torch.Tensor) -> None:
+        # out[..., 0] is z + bias; a sequence's last chunk is not routable (no query sees
+        # its route).
+        scores.append((out[:, :-1, :, 0] - module.route_bias).flatten().float().cpu())
+
+    handle = budget.register_forward_hook(keep)
+    try:
+        for ids in batches:
+            model(ids)
+    finally:
+        handle.remove()
+    return torch.cat(scores) if scores else torch.empty(0)
 
 
 def route_bias_scalars(model: NatsForCausalLM) -> dict[str, float]:

@@ -118,6 +118,38 @@ def test_cli_writes_json_and_labels_lengths(tmp_path: Path, capsys) -> None:
     assert "wrote" in capsys.readouterr().out
 
 
+def test_cli_calibrates_the_budget_and_saves_the_model(tmp_path: Path, capsys) -> None:
+    model = _model(("nats", "nats"))
+    model = NatsForCausalLM(model.config.replace(softmax_target=0.25))
+    for layer in model.nats_layers:  # ranked scores (zero-initialised scorers tie)
+        torch.nn.init.normal_(layer.scorer.proj.weight)
+    model.save_pretrained(tmp_path / "m")
+    out, saved = tmp_path / "r.json", tmp_path / "calibrated"
+    argv = ["eval", str(tmp_path / "m"), "--task", "mqar", "--seq-len", "128", "--pairs", "8",
+            "--batches", "4", "--batch-size", "16", "--device", "cpu", "--out", str(out)]
+    assert main([*argv, "--calibrate-budget", "0.4", "--save-model", str(saved)]) == 0
+    printed = capsys.readouterr().out
+    assert "calibrated the routing biases to 0.4 on mqar seq_len=128 pairs=8" in printed
+    report = json.loads(out.read_text())
+    assert "routing biases calibrated to 0.4" in report["source"]
+    # Evaluation draws other batches than calibration: the share lands near, not on, 0.4.
+    assert report["slices"][0]["routing"]["route_frac"] == pytest.approx(0.4, abs=0.07)
+    reloaded = load_model(saved, CPU).model
+    biases = [float(layer.budget.route_bias) for layer in reloaded.nats_layers]
+    assert f"layer 0 bias {biases[0]:.3f} share 0.4" in printed
+    assert f"layer 1 bias {biases[1]:.3f} share 0.4" in printed
+    assert main(argv) == 0  # the original folder is untouched: its budget's bias
+    assert json.loads(out.read_text())["slices"][0]["routing"]["route_frac"] != \
+        pytest.approx(0.4, abs=0.07)
+    _model(("nats",)).save_pretrained(tmp_path / "tied")  # a zero-initialised scorer
+    assert main(["eval", str(tmp_path / "tied"), *argv[2:], "--calibrate-budget", "0.4"]) == 0
+    assert "tied routing scores" in capsys.readouterr().err
+    unbudgeted = NatsForCausalLM(model.config.replace(softmax_target=None))
+    unbudgeted.save_pretrained(tmp_path / "free")
+    assert main(["eval", str(tmp_path / "free"), *argv[2:], "--calibrate-budget", "0.4"]) == 2
+    assert "no NAtS-L layer under a softmax budget" in capsys.readouterr().err
+
+
 def test_an_unknown_training_task_is_said(tmp_path: Path, capsys) -> None:
     _model().save_pretrained(tmp_path / "m")
     argv = ["eval", str(tmp_path / "m"), "--batches", "1", "--batch-size", "2", "--seq-len",
@@ -136,6 +168,8 @@ def test_an_unknown_training_task_is_said(tmp_path: Path, capsys) -> None:
     (["{m}", "--task", "mqar", "--haystack", "text"], "not a knob of task 'mqar'"),
     (["{m}", "--pairs", "40"], "mqar_pairs = 40"),
     (["{m}", "--batches", "0"], "--batches must be"),
+    (["{m}", "--save-model", "{tmp}/c"], "give --calibrate-budget"),
+    (["{m}", "--calibrate-budget", "0.3", "--save-model", "{m}"], "not an empty folder"),
 ])
 def test_bad_input_is_one_line(tmp_path: Path, capsys, argv: list[str], message: str) -> None:
     _model().save_pretrained(tmp_path / "m")

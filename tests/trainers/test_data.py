@@ -81,6 +81,20 @@ def test_streams_are_reproducible_and_train_and_eval_seeds_are_separate(
     assert batches.bytes_per_token is None and not batches.streaming
 
 
+def test_calibration_batches_are_the_evaluated_task_on_a_stream_of_their_own(
+        micro: MicroConfig) -> None:
+    # A mixture-trained MQAR run evaluates on its mqar_pairs; calibration draws that task.
+    config = micro(task="mqar", seq_len=64, mqar_pairs=8, mqar_pairs_mix=(2, 4))
+    batches = build_batches(config)
+    calibration, evaluation = batches.calibration(3), batches.eval(3)
+    assert [c[0].shape for c in calibration] == [e[0].shape for e in evaluation]
+    assert not any(torch.equal(c[0], e[0]) for c in calibration for e in evaluation)
+    assert torch.equal(build_batches(config).calibration(1)[0][0], calibration[0][0])
+    # Every calibration sequence asks 8 pairs' worth of queries, as an evaluated one does.
+    asked = [int((c[1] != -100).sum()) for c in calibration]
+    assert asked == [int((e[1] != -100).sum()) for e in evaluation]
+
+
 def test_generated_batches_follow_the_config(micro: MicroConfig) -> None:
     x, y = build_batches(micro(task="mqar", seq_len=32, mqar_pairs=4)).train(0)
     assert x.shape == (2, 32) and (y != -100).sum(1).tolist() == [4, 4]

@@ -10,10 +10,16 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from nats import NatsConfig, NatsForCausalLM
+from nats.kernels import SOFTMAX
 from nats.trainers import train
 from nats.trainers.evaluation import RoutingPrecision, informative_chunks
 from nats.trainers.optim import build_optimizer, set_lr
-from nats.trainers.route_control import budget_target, exploration_noise, update_budget
+from nats.trainers.route_control import (
+    budget_target,
+    calibrate_budget,
+    exploration_noise,
+    update_budget,
+)
 
 from .conftest import MicroConfig
 
@@ -104,3 +110,56 @@ def test_config_records_the_recipe(micro: MicroConfig) -> None:
     config = config.replace(model=config.model.replace(softmax_target=0.2, route_grad="both"))
     again = type(config).from_dict(config.to_dict())
     assert again == config and isinstance(again.model, NatsConfig)
+
+
+def _scored_model(target: float | None = 0.25) -> NatsForCausalLM:
+    """A budgeted 2-layer model whose scorers rank chunks (zero-initialised ones tie)."""
+    torch.manual_seed(0)
+    model = NatsForCausalLM(NatsConfig(
+        vocab_size=64, d_model=32, n_layers=2, n_heads=2, softmax_heads_per_head=2,
+        head_dim_k=16, head_dim_v=16, chunk_size=16, layer_types=("nats", "nats"),
+        softmax_target=target))
+    for layer in model.nats_layers:
+        torch.nn.init.normal_(layer.scorer.proj.weight)
+    return model.eval()
+
+
+def _ids(seed: int, batches: int = 4, low: int = 0, high: int = 64) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(low, high, (8, 161), generator=g) for _ in range(batches)]
+
+
+def _routed_share(model: NatsForCausalLM, batches: list[torch.Tensor]) -> list[float]:
+    """Per layer, the routable chunks (all but each sequence's last) sent to softmax,
+    counted from the routes themselves."""
+    with torch.no_grad():
+        outs = [model(ids) for ids in batches]
+    return [torch.cat([o.routes[i][:, :-1, :, SOFTMAX].flatten() for o in outs]).mean().item()
+            for i in range(len(model.nats_layers))]
+
+
+def test_calibration_routes_the_target_share_of_the_workload() -> None:
+    model = _scored_model()
+    workload = _ids(1, low=0, high=8)  # other content than the uniform tokens below
+    before = _routed_share(model, workload)
+    layers = calibrate_budget(model, workload, 0.4)
+    assert [c.bias for c in layers] == [float(x.budget.route_bias) for x in model.nats_layers]
+    assert [c.layer for c in layers] == [0, 1]
+    assert [c.share for c in layers] == pytest.approx([0.4, 0.4], abs=1 / 576)
+    # On the calibration batches: the target to within one chunk-head of 4 x 8 x 9 x 2.
+    assert _routed_share(model, workload) == pytest.approx([0.4, 0.4], abs=1 / 576)
+    assert all(abs(b - 0.4) > 0.02 for b in before)  # it did move them
+    # On fresh batches of the same workload: the target, up to sampling.
+    assert _routed_share(model, _ids(2, low=0, high=8)) == pytest.approx([0.4, 0.4], abs=0.06)
+    assert not model.training
+
+
+@pytest.mark.parametrize(("target", "batches", "message"), [
+    (0.0, None, r"a fraction in \(0, 1\)"), (1.5, None, "a fraction"), (True, None, "a fraction"),
+    (0.3, [torch.zeros(2, 16, dtype=torch.long)], "no sequence of more than one chunk"),
+])
+def test_calibration_refuses_what_it_cannot_do(target, batches, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        calibrate_budget(_scored_model(), batches or _ids(0, 1), target)
+    with pytest.raises(ValueError, match="no NAtS-L layer under a softmax budget"):
+        calibrate_budget(_scored_model(target=None), _ids(0, 1), 0.3)
