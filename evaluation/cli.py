@@ -47,8 +47,9 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--calibrate-budget", type=float, metavar="FRACTION",
                    help="first set each budgeted NAtS-L layer's routing bias so that it sends "
                         "FRACTION of the first slice's routable chunks to softmax (on "
-                        "--batches batches that evaluation does not read); the budget held "
-                        "in training is a share of the training data, not of this workload")
+                        "--batches batches that evaluation does not read, one pass per "
+                        "layer); the budget held in training is a share of the training "
+                        "data, not of this workload")
     p.add_argument("--save-model", type=Path, metavar="DIR",
                    help="with --calibrate-budget: also save the calibrated model to DIR (a "
                         "new or empty folder)")
@@ -71,6 +72,8 @@ def eval_command(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.calibrate_budget is not None and not 0 < args.calibrate_budget < 1:
+        raise ValueError(f"--calibrate-budget must lie in (0, 1), got {args.calibrate_budget:g}")
     if args.save_model is not None:
         if args.calibrate_budget is None:
             raise ValueError("--save-model saves a calibrated model: give --calibrate-budget")
@@ -94,7 +97,10 @@ def eval_command(args: argparse.Namespace) -> int:
         print(f"nats: warning: the task {loaded.origin} was trained on is unknown; evaluating "
               "on 'mqar' (choose with --task)", file=sys.stderr)
     if args.calibrate_budget is not None:
-        layers = calibrate_budget(loaded.model.to(device), [
+        if not any(hasattr(layer, "budget") for layer in loaded.model.nats_layers):
+            raise ValueError("--calibrate-budget: the model has no NAtS-L layer under a "
+                             "softmax budget (softmax_target)")
+        layers = calibrate_budget(loaded.model, [
             ids.to(device) for ids, _ in build_batches(slices[0]).calibration(args.batches)],
             args.calibrate_budget)
         print(f"nats: calibrated the routing biases to {args.calibrate_budget:g} on "

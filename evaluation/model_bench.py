@@ -83,10 +83,12 @@ class ModelBenchConfig:
             raise ValueError(f"compile must be True or False, got {self.compile!r}")
         if any(not 0 <= f <= 1 for f in self.fractions):
             raise ValueError(f"--fractions must lie in [0, 1], got {list(self.fractions)}")
-        if any(not 1 / self.n_layers <= s <= 1 for s in self.layer_hybrid_shares):
+        if any(not 0 < s <= 1 or round(1 / s) > self.n_layers
+               for s in self.layer_hybrid_shares):
             raise ValueError(f"--layer-hybrid-shares must lie in [1/n_layers, 1] = "
-                             f"[{1 / self.n_layers:.3g}, 1] (softmax in at least one layer), "
-                             f"got {list(self.layer_hybrid_shares)}")
+                             f"[{1 / self.n_layers:.3g}, 1] (softmax in at least one layer; "
+                             f"softmax every round(1/share)-th layer), got "
+                             f"{list(self.layer_hybrid_shares)}")
         if self.n_heads * self.head_dim != self.d_model or self.head_dim % 2:
             raise ValueError(f"n_heads x head_dim must be d_model ({self.n_heads} x "
                              f"{self.head_dim} != {self.d_model}) with an even head_dim")

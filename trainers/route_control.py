@@ -83,42 +83,65 @@ def calibrate_budget(model: NatsForCausalLM, batches: Sequence[torch.Tensor],
     The budget's controller holds the share on the training batches; data with other
     content routes another share (a recall model trained on a mixture of 8-32 pairs routed
     0.32 at 32 pairs under a 0.25 budget: docs/RESULTS.md). Calibrating on the workload
-    makes the cost paid there the cost asked for. Layers are calibrated first to last, as
-    a layer's routes change what the next one sees; each layer gets ``target`` (also under
-    ``budget_scope="model"``, whose mean it then is).
+    makes the cost paid there the cost asked for. Layers are calibrated first to last (one
+    pass over ``batches`` each), as a layer's routes change what the next one sees; each
+    layer gets ``target`` (also under ``budget_scope="model"``, whose mean it then is).
     """
     if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target < 1:
         raise ValueError(f"the calibration target must be a fraction in (0, 1), got {target!r}")
+    if not batches:
+        raise ValueError("no calibration batches")
     layers = [(i, block.mixer) for i, block in enumerate(model.blocks)
-              if block.mixer in model.nats_layers and block.mixer.cfg.softmax_target is not None]
+              if hasattr(block.mixer, "budget")]
     if not layers:
         raise ValueError("the model has no NAtS-L layer under a softmax budget "
                          "(softmax_target) to calibrate")
     was_training = model.training
     model.eval()
     out = []
-    for index, layer in layers:
-        z = _routable_scores(model, layer.budget, batches)
-        if z.numel() == 0:
-            raise ValueError("the calibration batches hold no sequence of more than one chunk")
-        # A chunk goes to softmax iff z + bias > 0, so the bias is minus z's quantile.
-        layer.budget.route_bias.fill_(-float(torch.quantile(z, 1 - target)))
-        bias = float(layer.budget.route_bias)
-        out.append(Calibration(index, bias, float((z + bias > 0).float().mean())))
-    model.train(was_training)
+    try:
+        for index, layer in layers:
+            old_bias = float(layer.budget.route_bias)
+            layer.budget.route_bias.zero_()  # the hook then sees z itself
+            try:
+                z = _routable_scores(model, layer.budget, batches)
+                if z.numel() == 0:
+                    raise ValueError("the calibration batches hold no sequence of more than "
+                                     "one chunk")
+            except BaseException:
+                layer.budget.route_bias.fill_(old_bias)
+                raise
+            bias = _threshold(z, target)
+            layer.budget.route_bias.fill_(bias)
+            # The route is the argmax of [z + bias, 0]: a tie goes to softmax (index 0).
+            out.append(Calibration(index, bias, float((z + bias >= 0).float().mean())))
+    finally:
+        model.train(was_training)
     return out
+
+
+def _threshold(z: torch.Tensor, target: float) -> float:
+    """The bias that sends the ``round(target * n)`` largest of ``n`` scores to softmax:
+    minus the midpoint between that score and the next (sorting, as ``torch.quantile``
+    refuses more than 2^24 values)."""
+    ranked = z.sort(descending=True).values
+    k = round(target * ranked.numel())
+    if k == 0:
+        return -float(ranked[0]) - 1.0
+    if k == ranked.numel():
+        return -float(ranked[-1]) + 1.0
+    return -float(ranked[k - 1] + ranked[k]) / 2
 
 
 def _routable_scores(model: NatsForCausalLM, budget: torch.nn.Module,
                      batches: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The standardised scores ``z`` (before the bias) of every routable chunk and head
-    that ``budget`` sees while ``model`` runs ``batches``."""
+    """The routing scores (``out[..., 0]``: ``z`` plus the bias) of every routable chunk
+    and head that ``budget`` gives while ``model`` runs ``batches``."""
     scores: list[torch.Tensor] = []
 
     def keep(module: torch.nn.Module, _: Any, out: torch.Tensor) -> None:
-        # out[..., 0] is z + bias; a sequence's last chunk is not routable (no query sees
-        # its route).
-        scores.append((out[:, :-1, :, 0] - module.route_bias).flatten().float().cpu())
+        # A sequence's last chunk is not routable (no query sees its route).
+        scores.append(out[:, :-1, :, 0].flatten().float().cpu())
 
     handle = budget.register_forward_hook(keep)
     try:

@@ -28,6 +28,9 @@ def test_the_forms_and_what_they_hold(tmp_path: Path) -> None:
     assert [v.layer_types for v in variants(ModelBenchConfig(
         **{**SMALL, "layer_hybrid_shares": (1.0, 0.5, 0.3)}))][-3:] == [
         ("softmax",) * 4, ("linear", "softmax") * 2, ("linear", "linear", "softmax", "linear")]
+    # A share typed as 1/3 rounds to every 3rd layer, whatever its last digits.
+    three = ModelBenchConfig(**{**SMALL, "n_layers": 3, "layer_hybrid_shares": (0.333,)})
+    assert variants(three)[-1].layer_types == ("linear", "linear", "softmax")
 
     report = run_model_benchmark(config, tmp_path / "model.json", log=lambda _: None)
     assert json.loads((tmp_path / "model.json").read_text()) == json.loads(json.dumps(report))

@@ -112,12 +112,13 @@ def test_config_records_the_recipe(micro: MicroConfig) -> None:
     assert again == config and isinstance(again.model, NatsConfig)
 
 
-def _scored_model(target: float | None = 0.25) -> NatsForCausalLM:
-    """A budgeted 2-layer model whose scorers rank chunks (zero-initialised ones tie)."""
+def _scored_model(target: float | None = 0.25,
+                  layers: tuple[str, ...] = ("nats", "nats")) -> NatsForCausalLM:
+    """A budgeted model whose scorers rank chunks (zero-initialised ones tie)."""
     torch.manual_seed(0)
     model = NatsForCausalLM(NatsConfig(
-        vocab_size=64, d_model=32, n_layers=2, n_heads=2, softmax_heads_per_head=2,
-        head_dim_k=16, head_dim_v=16, chunk_size=16, layer_types=("nats", "nats"),
+        vocab_size=64, d_model=32, n_layers=len(layers), n_heads=2, softmax_heads_per_head=2,
+        head_dim_k=16, head_dim_v=16, chunk_size=16, layer_types=layers,
         softmax_target=target))
     for layer in model.nats_layers:
         torch.nn.init.normal_(layer.scorer.proj.weight)
@@ -130,36 +131,56 @@ def _ids(seed: int, batches: int = 4, low: int = 0, high: int = 64) -> list[torc
 
 
 def _routed_share(model: NatsForCausalLM, batches: list[torch.Tensor]) -> list[float]:
-    """Per layer, the routable chunks (all but each sequence's last) sent to softmax,
-    counted from the routes themselves."""
+    """Per NAtS-L layer, the routable chunks (all but each sequence's last) sent to
+    softmax, counted from the routes themselves."""
     with torch.no_grad():
-        outs = [model(ids) for ids in batches]
+        outs = [model.eval()(ids) for ids in batches]
     return [torch.cat([o.routes[i][:, :-1, :, SOFTMAX].flatten() for o in outs]).mean().item()
-            for i in range(len(model.nats_layers))]
+            for i, r in enumerate(outs[0].routes) if r is not None]
 
 
 def test_calibration_routes_the_target_share_of_the_workload() -> None:
-    model = _scored_model()
+    model = _scored_model().train()
     workload = _ids(1, low=0, high=8)  # other content than the uniform tokens below
     before = _routed_share(model, workload)
+    model.train()
     layers = calibrate_budget(model, workload, 0.4)
+    assert model.training  # as it was
     assert [c.bias for c in layers] == [float(x.budget.route_bias) for x in model.nats_layers]
     assert [c.layer for c in layers] == [0, 1]
-    assert [c.share for c in layers] == pytest.approx([0.4, 0.4], abs=1 / 576)
     # On the calibration batches: the target to within one chunk-head of 4 x 8 x 9 x 2.
-    assert _routed_share(model, workload) == pytest.approx([0.4, 0.4], abs=1 / 576)
+    assert [c.share for c in layers] == pytest.approx([0.4, 0.4], abs=1 / 576)
+    assert _routed_share(model, workload) == pytest.approx([c.share for c in layers])
     assert all(abs(b - 0.4) > 0.02 for b in before)  # it did move them
     # On fresh batches of the same workload: the target, up to sampling.
     assert _routed_share(model, _ids(2, low=0, high=8)) == pytest.approx([0.4, 0.4], abs=0.06)
-    assert not model.training
+
+
+def test_calibration_skips_unrouted_layers_and_reports_ties_as_routed() -> None:
+    model = _scored_model(layers=("linear", "nats", "softmax", "nats"))
+    layers = calibrate_budget(model, _ids(3), 0.3)
+    assert [c.layer for c in layers] == [1, 3]
+    assert _routed_share(model, _ids(3)) == pytest.approx([c.share for c in layers])
+    tied = _scored_model()
+    for layer in tied.nats_layers:  # every score equal: the target cannot be split
+        torch.nn.init.zeros_(layer.scorer.proj.weight)
+    shares = [c.share for c in calibrate_budget(tied, _ids(3), 0.3)]
+    assert shares == _routed_share(tied, _ids(3)) and set(shares) <= {0.0, 1.0}
 
 
 @pytest.mark.parametrize(("target", "batches", "message"), [
     (0.0, None, r"a fraction in \(0, 1\)"), (1.5, None, "a fraction"), (True, None, "a fraction"),
     (0.3, [torch.zeros(2, 16, dtype=torch.long)], "no sequence of more than one chunk"),
+    (0.3, [], "no calibration batches"),
 ])
 def test_calibration_refuses_what_it_cannot_do(target, batches, message) -> None:
+    model = _scored_model()
+    biases = [float(layer.budget.route_bias) for layer in model.nats_layers]
     with pytest.raises(ValueError, match=message):
-        calibrate_budget(_scored_model(), batches or _ids(0, 1), target)
+        calibrate_budget(model, _ids(0, 1) if batches is None else batches, target)
+    assert [float(layer.budget.route_bias) for layer in model.nats_layers] == biases
+
+
+def test_calibration_needs_a_budget() -> None:
     with pytest.raises(ValueError, match="no NAtS-L layer under a softmax budget"):
         calibrate_budget(_scored_model(target=None), _ids(0, 1), 0.3)
