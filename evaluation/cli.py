@@ -97,12 +97,12 @@ def eval_command(args: argparse.Namespace) -> int:
         print(f"nats: warning: the task {loaded.origin} was trained on is unknown; evaluating "
               "on 'mqar' (choose with --task)", file=sys.stderr)
     if args.calibrate_budget is not None:
-        if not any(hasattr(layer, "budget") for layer in loaded.model.nats_layers):
-            raise ValueError("--calibrate-budget: the model has no NAtS-L layer under a "
-                             "softmax budget (softmax_target)")
-        layers = calibrate_budget(loaded.model, [
-            ids.to(device) for ids, _ in build_batches(slices[0]).calibration(args.batches)],
-            args.calibrate_budget)
+        try:
+            layers = calibrate_budget(loaded.model, [
+                ids.to(device) for ids, _ in build_batches(slices[0]).calibration(args.batches)],
+                args.calibrate_budget)
+        except ValueError as error:  # what the model or the slice cannot calibrate
+            raise ValueError(f"--calibrate-budget: {error}") from None
         print(f"nats: calibrated the routing biases to {args.calibrate_budget:g} on "
               f"{slice_name(slices[0])}: " + ", ".join(
                   f"layer {c.layer} bias {c.bias:.3f} share {c.share:.3f}" for c in layers))
