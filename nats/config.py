@@ -28,10 +28,12 @@ SAMPLERS = ("argmax", "gumbel")
 OUTPUT_GATES = ("silu", "none")
 """``silu``: the output is multiplied by ``SiLU(W_g x)`` (fla, the official NAtS-L layer);
 ``none``: no output gate (Zoology's MQAR recipe for Gated DeltaNet)."""
-BRANCH_NORMS = ("both", "linear", "none")
+BRANCH_NORMS = ("both", "linear", "scaled", "none")
 """Which branch outputs a NAtS-L layer RMS-normalises before merging them: ``both`` (the
 official layer), ``linear`` (only the linear branch, as Gated DeltaNet normalises its own
-output; the softmax output keeps its magnitude, as a transformer's does), ``none``."""
+output; the softmax output keeps its magnitude, as a transformer's does), ``scaled`` (the
+linear branch per token; the softmax branch divided by its running RMS per head, one
+number per head: its per-token magnitude is kept, at the linear branch's scale), ``none``."""
 SCORER_INITS = ("normal", "zero")
 """``normal``: the scorer's weight drawn like every other (the official layer); ``zero``:
 every chunk starts undecided, so no early content-blind preference is baked in."""
@@ -127,7 +129,11 @@ class NatsConfig:
     official layer)."""
     branch_norm: str = "both"
     """Which branch outputs the merge RMS-normalises: ``both`` (the official layer),
-    ``linear`` or ``none`` (``BRANCH_NORMS``)."""
+    ``linear``, ``scaled`` or ``none`` (``BRANCH_NORMS``). A per-token norm of the softmax
+    output (``both``) makes a head that found nothing as loud as one that found the needle;
+    none (``linear``) leaves the softmax output far below the normalised linear one at
+    initialisation, and recall of a few chunks is then not learned; ``scaled`` keeps the
+    magnitude at a matched scale (docs/RESULTS.md)."""
     mlp_ratio: float = 4.0
     """Hidden width of the MLP as a multiple of ``d_model``."""
     norm_eps: float = 1e-6

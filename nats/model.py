@@ -122,9 +122,10 @@ class NatsForCausalLM(nn.Module):
 
     def update_routing_statistics(
             self, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        """Fold the routing statistics that this step's training forwards gathered into
-        the running ones (``RunningMoments``); call once per optimizer step, as the trainer
-        does (``reduce`` sums them over processes first)."""
+        """Fold the statistics that this step's training forwards gathered (the routing's,
+        and the softmax output's scale under ``branch_norm="scaled"``) into the running ones
+        (``RunningMoments``); call once per optimizer step, as the trainer does (``reduce``
+        sums them over processes first)."""
         for module in self.modules():
             if isinstance(module, RunningMoments):
                 module.commit(reduce)

@@ -30,6 +30,7 @@ from .routing import (
     BudgetedScores,
     ChunkScorer,
     RouteOverride,
+    RunningMoments,
     chunk_mean_pool,
     forced_routes,
     sample_routes,
@@ -75,6 +76,12 @@ class NatsAttention(nn.Module):
             self.budget = BudgetedScores(h, cfg.softmax_target)
         self.mix = nn.Linear(h * cfg.head_dim_k, 2 * h * r, bias=False)
         self.out = GatedOutput(cfg.d_model, h * r, cfg.softmax_head_dim_v, cfg.output_gate)
+        self.softmax_scale: RunningMoments | None = None
+        """Under ``branch_norm="scaled"``: the running mean square of each softmax head's
+        output (``running_mean``; 1 until the first training step)."""
+        if cfg.branch_norm == "scaled":
+            self.softmax_scale = RunningMoments(h * r, warm_start=True)
+            self.softmax_scale.running_mean.fill_(1.0)
         self.route_override: RouteOverride = None
         self.route_noise = 0.0
         """Scale of the Gumbel noise on the routing logits while training (exploration;
@@ -109,10 +116,16 @@ class NatsAttention(nn.Module):
     def _merge(self, q: torch.Tensor, o_la: torch.Tensor, o_sm: torch.Tensor,
                x: torch.Tensor) -> torch.Tensor:
         """``(w_LA RMSNorm(o_LA) + w_SM RMSNorm(o_SM)) * gamma * SiLU(W_g x)``, then ``W_o``;
-        ``NatsConfig.branch_norm`` says which of the two RMSNorms apply."""
+        ``NatsConfig.branch_norm`` says which of the two RMSNorms apply (``scaled``: the
+        softmax one becomes a division by the head's running RMS, folded into ``w_SM``)."""
         cfg = self.cfg
         heads = cfg.n_heads * cfg.softmax_heads_per_head
         w = F.softmax(upcast(self.mix(q).view(*q.shape[:2], heads, 2)), -1)
+        if self.softmax_scale is not None:
+            if self.training:
+                self.softmax_scale.accumulate(upcast(o_sm).square().mean(-1).reshape(-1, heads))
+            inv_rms = torch.rsqrt(self.softmax_scale.running_mean + cfg.norm_eps)
+            w = w * torch.stack([torch.ones_like(inv_rms), inv_rms], -1).to(w.dtype)
         y = merge_branches(o_la.reshape(*o_sm.shape), o_sm, w, self.out.gamma, cfg.norm_eps,
                            norm_a=cfg.branch_norm != "none", norm_b=cfg.branch_norm == "both",
                            out_dtype=x.dtype, backend=cfg.backend)

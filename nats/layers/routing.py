@@ -36,7 +36,8 @@ def chunk_mean_pool(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
 
 
 class RunningMoments(nn.Module):
-    """Running mean and variance of a batch of vectors ``[..., C]`` over routable chunks.
+    """Running mean and variance of a batch of vectors ``[..., C]`` (the routing's pooled
+    chunks and scores; the softmax output's mean square under ``branch_norm="scaled"``).
 
     Forward passes in training only accumulate the batch's sums; :meth:`commit` (once per
     optimizer step, after the sums of every micro-batch and process are combined) moves
@@ -45,11 +46,17 @@ class RunningMoments(nn.Module):
     training, evaluation and decoding.
     """
 
-    def __init__(self, channels: int, momentum: float = 0.1) -> None:
+    def __init__(self, channels: int, momentum: float = 0.1, warm_start: bool = False) -> None:
         super().__init__()
         self.momentum = momentum
         self.register_buffer("running_mean", torch.zeros(channels))
         self.register_buffer("running_var", torch.ones(channels))
+        if warm_start:
+            # Commits so far: the first 1 / momentum commits are averaged equally, so the
+            # running values are the data's from the first step, not the initial ones'.
+            self.register_buffer("commits", torch.zeros(()))
+        else:
+            self.commits = None
         self.pending: torch.Tensor | None = None
         """``[count, sum (C), sum of squares (C)]`` since the last commit (not a buffer:
         each process holds its own until they are summed)."""
@@ -73,8 +80,12 @@ class RunningMoments(nn.Module):
             return
         mean = sums[1: 1 + channels] / count
         var = (sums[1 + channels:] / count - mean.square()).clamp_min(0)
-        self.running_mean.lerp_(mean.to(self.running_mean.dtype), self.momentum)
-        self.running_var.lerp_(var.to(self.running_var.dtype), self.momentum)
+        weight: float | torch.Tensor = self.momentum
+        if self.commits is not None:
+            self.commits += 1
+            weight = self.commits.reciprocal().clamp_min(self.momentum)
+        self.running_mean.lerp_(mean.to(self.running_mean.dtype), weight)
+        self.running_var.lerp_(var.to(self.running_var.dtype), weight)
 
     def standardise(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         """``(x - mean) / sqrt(var + eps)`` with the running values; counts ``x``'s

@@ -25,6 +25,19 @@ def test_prefill_then_decode_equals_parallel_forward(layer_types, seq_len, promp
     assert rel_err(decode_logits(model, ids, prompt_len), full) < 1e-12
 
 
+def test_decoding_divides_by_the_trained_softmax_scale():
+    """``branch_norm="scaled"``: decoding reads the running RMS a training step set."""
+    model = tiny_model(("nats", "nats"), branch_norm="scaled")
+    ids = torch.randint(0, 50, (3, 53), generator=torch.Generator().manual_seed(3))
+    model.train()
+    model(ids)
+    model.update_routing_statistics()
+    model.eval()
+    scales = [layer.softmax_scale.running_mean for layer in model.nats_layers]
+    assert all(((s - 1).abs() > 1e-3).all() for s in scales)  # moved from the initial 1
+    assert rel_err(decode_logits(model, ids, 21), model(ids).logits) < 1e-12
+
+
 @pytest.mark.parametrize("override", ["softmax", "linear", 0.25])
 def test_decoding_follows_forced_routes(override):
     model = tiny_model(("nats", "nats"))

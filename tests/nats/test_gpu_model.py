@@ -51,6 +51,42 @@ def test_triton_backend_matches_reference_forward_and_gradients(chunk_size, dtyp
         bound = max(3 * tol, 2 * rel_err(ref_grads[name], grad)) if low else 2 * tol
         assert rel_err(fast_grads[name], grad) < bound, name
 
+def test_scaled_branch_norm_statistics_match_reference_in_bf16():
+    """``branch_norm="scaled"`` under bf16 autocast: the softmax heads' mean squares that
+    the Triton path's training steps gather, and its logits after them, are at most twice
+    as far from the float32 reference's as the bf16 reference's are (or 5 %): rounding
+    alone moves a head's mean square by a few per cent."""
+    cfg = NatsConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, softmax_heads_per_head=2,
+                     head_dim_k=64, head_dim_v=64, chunk_size=64, layer_types=("nats", "nats"),
+                     backend="reference", branch_norm="scaled")
+    torch.manual_seed(0)
+    exact = NatsForCausalLM(cfg).cuda()
+    with torch.no_grad():
+        for layer in exact.nats_layers:
+            layer.scorer.proj.weight.normal_(0, 0.5)
+    ids = torch.randint(0, 512, (2, 700), device="cuda")
+
+    def trained(backend: str, low: bool):
+        model = NatsForCausalLM(cfg.replace(backend=backend)).cuda()
+        model.load_state_dict(exact.state_dict())
+        for _ in range(2):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=low):
+                model(ids, labels=ids).loss.backward()
+            model.update_routing_statistics()
+        model.eval()
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=low):
+            logits = model(ids).logits.float()
+        return [layer.softmax_scale.running_mean for layer in model.nats_layers], logits
+
+    want, want_logits = trained("reference", False)
+    rounded, rounded_logits = trained("reference", True)
+    got, got_logits = trained("triton", True)
+    for w, r, g in zip(want, rounded, got, strict=True):
+        assert (w - 1).abs().min() > 0.1  # measured, not the initial 1
+        assert rel_err(g, w) < max(2 * rel_err(r, w), 5e-2)
+    assert rel_err(got_logits, want_logits) < max(2 * rel_err(rounded_logits, want_logits), 2e-2)
+
+
 @pytest.mark.parametrize("linear_op", LINEAR_OPS)
 def test_triton_prefill_then_decode_equals_parallel_forward(linear_op):
     """Prefill on the Triton kernels (finished chunks with routes, then the open tail from

@@ -122,6 +122,24 @@ def test_commit_sums_micro_batches_and_processes_like_one_batch():
     assert torch.allclose(whole.running_var, parts.running_var)
 
 
+def test_warm_started_moments_average_the_first_commits_then_move_by_momentum():
+    warm, cold = RunningMoments(2, warm_start=True).double(), RunningMoments(2).double()
+    batches = [torch.randn(6, 2, dtype=torch.float64) + i for i in range(12)]
+    for moments in (warm, cold):
+        moments.accumulate(batches[0])
+        moments.commit()
+    assert torch.allclose(warm.running_mean, batches[0].mean(0))  # the data's, from step 1
+    assert torch.allclose(cold.running_mean, 0.1 * batches[0].mean(0))  # 0.9 of the zeros
+    for batch in batches[1:10]:
+        warm.accumulate(batch)
+        warm.commit()
+    means = torch.stack([b.mean(0) for b in batches[:10]])
+    assert torch.allclose(warm.running_mean, means.mean(0))  # equal weights up to 1/momentum
+    warm.accumulate(batches[10])
+    warm.commit()
+    assert torch.allclose(warm.running_mean, 0.9 * means.mean(0) + 0.1 * batches[10].mean(0))
+
+
 def test_budgeted_scores_standardise_with_running_statistics_per_head():
     scores = BudgetedScores(n_heads=3, target=0.25).double().train()
     spread = torch.tensor([1.0, 5.0, 0.1], dtype=torch.float64)[:, None]  # per head
@@ -219,7 +237,7 @@ def test_old_dumps_load_with_the_official_recipe_and_partial_files_with_the_defa
     assert NatsConfig.from_dict(linear.to_dict()) == linear
 
 
-@pytest.mark.parametrize("branch_norm", ["both", "linear", "none"])
+@pytest.mark.parametrize("branch_norm", ["both", "linear", "scaled", "none"])
 def test_merge_normalises_the_branches_branch_norm_names(branch_norm: str) -> None:
     """``_merge`` against the formula written out: RMS-normalise the named branches, weight
     them by ``softmax(W_w q)``, then the output projection."""
@@ -238,6 +256,21 @@ def test_merge_normalises_the_branches_branch_norm_names(branch_norm: str) -> No
     la = o_la.reshape(2, 5, 4, 8)
     la = la if branch_norm == "none" else rms(la)
     sm = rms(o_sm) if branch_norm == "both" else o_sm
+    if branch_norm == "scaled":  # untrained: the running mean square starts at 1
+        sm = o_sm / math.sqrt(1 + cfg.norm_eps)
     w = torch.softmax(layer.mix(q).view(2, 5, 4, 2), -1)
-    want = layer.out.out(((w[..., :1] * la + w[..., 1:] * sm) * layer.out.gamma).flatten(-2))
-    torch.testing.assert_close(layer._merge(q, o_la, o_sm, x), want)
+
+    def merged(sm: torch.Tensor) -> torch.Tensor:
+        return layer.out.out(((w[..., :1] * la + w[..., 1:] * sm) * layer.out.gamma).flatten(-2))
+
+    torch.testing.assert_close(layer._merge(q, o_la, o_sm, x), merged(sm))
+    if branch_norm == "scaled":  # one training step: the heads' mean squares, not blended
+        layer.softmax_scale.commit()
+        mean_square = o_sm.pow(2).mean((0, 1, 3))
+        torch.testing.assert_close(layer.softmax_scale.running_mean, mean_square)
+        layer.eval()
+        sm = o_sm / (mean_square[:, None] + cfg.norm_eps).sqrt()
+        torch.testing.assert_close(layer._merge(q, o_la, o_sm, x), merged(sm))
+        layer._merge(q, o_la, 2 * o_sm, x)  # evaluation leaves the statistics alone
+        layer.softmax_scale.commit()
+        torch.testing.assert_close(layer.softmax_scale.running_mean, mean_square)
