@@ -46,8 +46,8 @@ BUILTIN_SPACES: dict[str, dict[str, Any]] = {
             "layers": {"choices": ["nats", "linear", "softmax"]},
             "softmax_heads_per_head": [1, 2, 4],
             "linear_op": list(LINEAR_OPS),
-            # Retrieval wants "linear", concentrated recall "both" (docs/RESULTS.md).
-            "branch_norm": ["both", "linear"],
+            # Language and retrieval want "linear", recall "scaled" (docs/RESULTS.md).
+            "branch_norm": ["both", "linear", "scaled"],
             "reg_lambda": {"low": 0.001, "high": 0.3, "log": True},
             "lr": {"low": 0.001, "high": 0.01, "log": True},
         },
@@ -74,12 +74,14 @@ def search_base(name: str) -> TrainConfig:
     README's main job"). Its NAtS-L layers hold a softmax budget of 0.5: three of the
     four chunks are routable (the last one's route changes nothing) and one holds the
     pairs, a third, more than 0.25 allows. The scorers learn at 5x the lr, so the pairs'
-    chunk is found before the recall is learned rather than after.
+    chunk is found before the recall is learned rather than after. The softmax output is
+    merged at the linear branch's scale (``branch_norm="scaled"``), with which every seed
+    learns the recall (0.96-1.00 against 0.77-1.00 with the default norm).
     """
     if name == "mqar-search":
         base = preset("mqar-tiny")
         model = base.model.replace(vocab_size=80, layer_types=("nats", "nats"),
-                                   softmax_target=0.5)
+                                   softmax_target=0.5, branch_norm="scaled")
         return base.replace(model=model, steps=400, seq_len=64, mqar_pairs=8,
                             mqar_filler="noise", lr=1e-2, warmup_steps=40,
                             router_lr_scale=5.0, eval_interval=200, checkpoint_interval=200,

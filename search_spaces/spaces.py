@@ -13,7 +13,7 @@ A space is a mapping, checked on load (a bad key or value raises :class:`SpaceEr
       softmax_heads_per_head: [1, 2, 4]
       linear_op: [gated_deltanet, gated_linear_attention]   # the linear operator
       softmax_target: [0.125, 0.25, 0.5]  # NAtS-L layers' softmax budget
-      branch_norm: [both, linear]      # which branch outputs NAtS-L layers normalise
+      branch_norm: [both, linear, scaled]  # how NAtS-L layers scale their branch outputs
       reg_lambda: {low: 0.001, high: 0.3, log: true}  # a range: float, or int if both are
       lr: {low: 0.001, high: 0.01, log: true}
       d_model: 64                      # a single value: fixed for every trial

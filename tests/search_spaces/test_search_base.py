@@ -5,10 +5,10 @@ Two trials of the default search base (``mqar-search``: 8 key-value pairs in the
 four 16-token chunks, noise filler after them), trained as the search trains them: the
 all-NAtS-L model at the base's budget learns the recall and routes the pairs' chunk to
 softmax, Gated DeltaNet alone does not learn it. Measured on seeds 0-2 (this test is seed
-0): NAtS-L 0.999 / 0.947 / 0.772 (``experiments/branch_norm.py --norms both``), its first
-layer sending the pairs' chunk to softmax every time against 0.28 of the other chunks on
-seeds 0-1; Gated DeltaNet 0.032 / 0.092 / 0.037 (before the CPU references' reordered
-sums).
+0): NAtS-L 0.999 / 1.000 / 0.958 (``experiments/branch_norm.py --norms scaled``, the
+base's norm), its first layer sending the pairs' chunk to softmax every time against
+0.26-0.28 of the other chunks; Gated DeltaNet 0.032 / 0.092 / 0.037 (before the CPU
+references' reordered sums).
 """
 
 from __future__ import annotations

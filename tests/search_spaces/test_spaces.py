@@ -116,7 +116,8 @@ def test_routing_parameters_are_asked_only_of_models_that_route() -> None:
     routed = space.sample(FixedTrial({**params, "layer1": "nats", "chunk_size": 32,
                                       "branch_norm": "linear", "reg_lambda": 0.05}), BASE)
     assert (routed.model.chunk_size, routed.model.reg_lambda) == (32, 0.05)
-    assert routed.model.branch_norm == "linear" and got.model.branch_norm == "both"
+    assert routed.model.branch_norm == "linear"
+    assert got.model.branch_norm == BASE.model.branch_norm == "scaled"
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     for _ in range(20):
