@@ -1,12 +1,13 @@
 """Which branch norm does the README's recall task need? (the search base, per seed)
 
-    python experiments/branch_norm.py --norms both linear --seeds 0 1 2   # ~2.5 min a run
+    python experiments/branch_norm.py --norms both linear scaled --seeds 0 1 2   # ~2.5 min a run
 
 The search base (``mqar-search``: 8 key-value pairs in the first of four 16-token chunks,
 noise filler, two NAtS-L layers at a softmax budget of 0.5, 400 steps at lr 1e-2), trained
 as a search trial trains it (one thread), with the model's ``branch_norm`` set to each of
 ``--norms``: ``both`` normalises both branch outputs before the merge, ``linear`` lets the
-softmax output keep its magnitude (better for language and the needle, docs/RESULTS.md).
+softmax output keep its magnitude (better for language and the needle, docs/RESULTS.md),
+``scaled`` divides it by its running RMS per head (the base's own setting).
 
 Prints one line per run (eval accuracy, loss, the routed share and, per layer, how often
 the pairs' chunk and the other chunks went to softmax) and writes them to
@@ -38,7 +39,8 @@ def run(norm: str, seed: int, out: Path) -> dict[str, float | str | int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--norms", nargs="+", choices=BRANCH_NORMS, default=["both", "linear"])
+    parser.add_argument("--norms", nargs="+", choices=BRANCH_NORMS,
+                        default=["both", "linear", "scaled"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", type=Path, default=Path("runs/branch-norm"))
     args = parser.parse_args()
