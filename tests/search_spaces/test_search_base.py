@@ -1,10 +1,11 @@
 """The README's main job searches a task on which a hybrid is needed (a CPU regression
 test of docs/RESULTS.md, "The README's main job").
 
-Two trials of the default search base (``mqar-search``: 8 key-value pairs in the first of
-four 16-token chunks, noise filler after them), trained as the search trains them: the
+Three trials of the default search base (``mqar-search``: 8 key-value pairs in the first
+of four 16-token chunks, noise filler after them), trained as the search trains them: the
 all-NAtS-L model at the base's budget learns the recall and routes the pairs' chunk to
-softmax, Gated DeltaNet alone does not learn it. Measured on seeds 0-2 (this test is seed
+softmax; Gated DeltaNet alone does not learn it, nor does the same NAtS-L model with
+every route forced to linear. Measured on seeds 0-2 (this test is seed
 0): NAtS-L 0.966 / 1.000 / 0.911 (``experiments/branch_norm.py --norms scaled``, the
 base's norm and 300 steps), its first layer sending the pairs' chunk to softmax every
 time against 0.25 of the other chunks; Gated DeltaNet 0.032 / 0.092 / 0.037 (in 400
@@ -13,6 +14,7 @@ steps, before the CPU references' reordered sums; 0.033 on seed 0 in 300).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,22 +23,31 @@ import torch
 from nats.search_spaces.builtin import search_base
 from nats.trainers import train
 
-pytestmark = pytest.mark.slow  # two 300-step training runs, about 3 minutes on one core
+# The experiments' helper module, for the forced routes of their ``:linear`` rows.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
+import common
+
+pytestmark = pytest.mark.slow  # three 300-step training runs, about 4 minutes on one core
 
 
-def _trained(layers: tuple[str, ...], out: Path) -> dict[str, float]:
+def _trained(layers: tuple[str, ...], out: Path, routes: str = "learned") -> dict[str, float]:
     torch.set_num_threads(1)  # as a search trial trains, one core each
     base = search_base("mqar-search")
     config = base.replace(model=base.model.replace(layer_types=layers), device="cpu",
                           out_dir=str(out))
-    return train(config).eval_metrics
+    with common.routes_forced(routes):
+        return train(config).eval_metrics
 
 
 def test_nats_learns_the_default_task_and_gated_deltanet_does_not(tmp_path: Path) -> None:
     nats = _trained(("nats", "nats"), tmp_path / "nats")
     gdn = _trained(("linear", "linear"), tmp_path / "linear")
+    # The same NAtS-L model with every route forced to linear (0.080 / 0.038 on seeds 0-1):
+    # what it learns, it learns by routing.
+    all_linear = _trained(("nats", "nats"), tmp_path / "all-linear", routes="linear")
     assert nats["eval/acc"] > 0.8, nats
     assert gdn["eval/acc"] < 0.3, gdn
+    assert all_linear["eval/acc"] < 0.3 and all_linear["eval/route_frac"] == 0, all_linear
     # The hybrid learned where softmax matters: the pairs' chunk, in the first layer.
     assert nats["eval/route_informative/layer0"] > 2 * nats["eval/route_filler/layer0"], nats
     assert 0.3 < nats["eval/route_frac"] < 0.7, nats  # the budget (0.5) holds
