@@ -91,8 +91,7 @@ def calibrate_budget(model: NatsForCausalLM, batches: Sequence[torch.Tensor],
         raise ValueError(f"the calibration target must be a fraction in (0, 1), got {target!r}")
     if not batches:
         raise ValueError("no calibration batches")
-    layers = [(i, block.mixer) for i, block in enumerate(model.blocks)
-              if hasattr(block.mixer, "budget")]
+    layers = budgeted_layers(model)
     if not layers:
         raise ValueError("the model has no NAtS-L layer under a softmax budget "
                          "(softmax_target) to calibrate")
@@ -152,7 +151,13 @@ def _routable_scores(model: NatsForCausalLM, budget: torch.nn.Module,
     return torch.cat(scores) if scores else torch.empty(0)
 
 
+def budgeted_layers(model: NatsForCausalLM) -> list[tuple[int, torch.nn.Module]]:
+    """``(block index, layer)`` of every NAtS-L layer under a softmax budget."""
+    return [(i, block.mixer) for i, block in enumerate(model.blocks)
+            if hasattr(block.mixer, "budget")]
+
+
 def route_bias_scalars(model: NatsForCausalLM) -> dict[str, float]:
     """``train/route_bias/layer{i}`` of every NAtS-L layer under a budget (TensorBoard)."""
-    return {f"train/route_bias/layer{i}": float(block.mixer.budget.route_bias)
-            for i, block in enumerate(model.blocks) if hasattr(block.mixer, "budget")}
+    return {f"train/route_bias/layer{i}": float(layer.budget.route_bias)
+            for i, layer in budgeted_layers(model)}
