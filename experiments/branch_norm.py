@@ -7,7 +7,9 @@ noise filler, two NAtS-L layers at a softmax budget of 0.5, 400 steps at lr 1e-2
 as a search trial trains it (one thread), with the model's ``branch_norm`` set to each of
 ``--norms``: ``both`` normalises both branch outputs before the merge, ``linear`` lets the
 softmax output keep its magnitude (better for language and the needle, docs/RESULTS.md),
-``scaled`` divides it by its running RMS per head (the base's own setting).
+``scaled`` divides it by its running RMS per head (the base's own setting);
+``--softmax-gain-init G`` gives every run a learned per-head gain on the softmax output,
+started at G.
 
 Prints one line per run (eval accuracy, loss, the routed share and, per layer, how often
 the pairs' chunk and the other chunks went to softmax) and writes them to
@@ -17,6 +19,7 @@ the pairs' chunk and the other chunks went to softmax) and writes them to
 from __future__ import annotations
 
 import argparse
+import functools
 from pathlib import Path
 
 import common
@@ -29,12 +32,14 @@ KEYS = ("eval/acc", "eval/loss", "eval/route_frac", "eval/route_informative/laye
         "eval/route_filler/layer0", "eval/route_informative/layer1", "eval/route_filler/layer1")
 
 
-def run(norm: str, seed: int, out: Path) -> dict[str, float | str | int]:
+def run(norm: str, seed: int, out: Path, gain: float | None) -> dict[str, float | str | int]:
     base = search_base("mqar-search")
-    config = base.replace(model=base.model.replace(branch_norm=norm), device="cpu", seed=seed,
+    model = base.model.replace(branch_norm=norm, softmax_gain_init=gain)
+    config = base.replace(model=model, device="cpu", seed=seed,
                           out_dir=str(out / f"{norm}-seed{seed}"))
     metrics = train(config).eval_metrics
-    return {"branch_norm": norm, "seed": seed, **{k: metrics[k] for k in KEYS}}
+    return {"branch_norm": norm, "softmax_gain_init": gain, "seed": seed,
+            **{k: metrics[k] for k in KEYS}}
 
 
 def main() -> None:
@@ -42,9 +47,12 @@ def main() -> None:
     parser.add_argument("--norms", nargs="+", choices=BRANCH_NORMS,
                         default=["both", "linear", "scaled"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--softmax-gain-init", type=float, default=None,
+                        help="NatsConfig.softmax_gain_init of every run (default: none)")
     parser.add_argument("--out", type=Path, default=Path("runs/branch-norm"))
     args = parser.parse_args()
-    common.run_rows_per_seed(run, args.norms, args.seeds, args.out)
+    common.run_rows_per_seed(functools.partial(run, gain=args.softmax_gain_init), args.norms,
+                             args.seeds, args.out)
 
 
 if __name__ == "__main__":

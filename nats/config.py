@@ -134,6 +134,12 @@ class NatsConfig:
     none (``linear``) leaves the softmax output far below the normalised linear one at
     initialisation, and recall of a few chunks is then not learned; ``scaled`` keeps the
     magnitude at a matched scale (docs/RESULTS.md)."""
+    softmax_gain_init: float | None = None
+    """A learned gain per softmax head on its output in the merge, started at this value;
+    ``None``: no gain. With ``branch_norm="scaled"`` a small start (0.05) puts the softmax
+    branch as far below the linear one as ``linear`` does at initialisation, while the
+    gain, one parameter a head, can grow as fast as the optimizer moves it
+    (docs/RESULTS.md)."""
     mlp_ratio: float = 4.0
     """Hidden width of the MLP as a multiple of ``d_model``."""
     norm_eps: float = 1e-6
@@ -171,6 +177,10 @@ class NatsConfig:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 \
                     or not math.isfinite(value):
                 _fail(name, value, "a positive finite number")
+        gain = self.softmax_gain_init
+        if gain is not None and (isinstance(gain, bool) or not isinstance(gain, (int, float))
+                                 or not 0 < gain < math.inf):
+            _fail("softmax_gain_init", gain, "null (no gain) or a positive finite number")
         if not isinstance(self.reg_lambda, (int, float)) or not 0 <= self.reg_lambda < math.inf:
             _fail("reg_lambda", self.reg_lambda, "a finite number >= 0")
         for name in ("rope", "tie_embeddings", "scorer_norm", "scorer_detach"):

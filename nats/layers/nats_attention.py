@@ -82,6 +82,10 @@ class NatsAttention(nn.Module):
         if cfg.branch_norm == "scaled":
             self.softmax_scale = RunningMoments(h * r, warm_start=True)
             self.softmax_scale.running_mean.fill_(1.0)
+        self.softmax_gain: nn.Parameter | None = None
+        """Under ``softmax_gain_init``: each softmax head's learned weight in the merge."""
+        if cfg.softmax_gain_init is not None:
+            self.softmax_gain = nn.Parameter(torch.full((h * r,), float(cfg.softmax_gain_init)))
         self.route_override: RouteOverride = None
         self.route_noise = 0.0
         """Scale of the Gumbel noise on the routing logits while training (exploration;
@@ -117,15 +121,20 @@ class NatsAttention(nn.Module):
                x: torch.Tensor) -> torch.Tensor:
         """``(w_LA RMSNorm(o_LA) + w_SM RMSNorm(o_SM)) * gamma * SiLU(W_g x)``, then ``W_o``;
         ``NatsConfig.branch_norm`` says which of the two RMSNorms apply (``scaled``: the
-        softmax one becomes a division by the head's running RMS, folded into ``w_SM``)."""
+        softmax one becomes a division by the head's running RMS, folded into ``w_SM``, as
+        is the learned gain of ``softmax_gain_init``)."""
         cfg = self.cfg
         heads = cfg.n_heads * cfg.softmax_heads_per_head
         w = F.softmax(upcast(self.mix(q).view(*q.shape[:2], heads, 2)), -1)
+        scale = None  # of the softmax branch, folded into w_SM so the merge kernel is one
         if self.softmax_scale is not None:
             if self.training:
                 self.softmax_scale.accumulate(upcast(o_sm).square().mean(-1).reshape(-1, heads))
-            inv_rms = torch.rsqrt(self.softmax_scale.running_mean + cfg.norm_eps)
-            w = w * torch.stack([torch.ones_like(inv_rms), inv_rms], -1).to(w.dtype)
+            scale = torch.rsqrt(self.softmax_scale.running_mean + cfg.norm_eps)
+        if self.softmax_gain is not None:
+            scale = self.softmax_gain if scale is None else scale * self.softmax_gain
+        if scale is not None:
+            w = w * torch.stack([torch.ones_like(scale), scale], -1).to(w.dtype)
         y = merge_branches(o_la.reshape(*o_sm.shape), o_sm, w, self.out.gamma, cfg.norm_eps,
                            norm_a=cfg.branch_norm != "none", norm_b=cfg.branch_norm == "both",
                            out_dtype=x.dtype, backend=cfg.backend)

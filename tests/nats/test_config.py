@@ -29,6 +29,8 @@ from nats import ConfigError, NatsConfig
         ({"tie_embeddings": "false"}, r"NatsConfig\.tie_embeddings = 'false' .*true or false"),
         ({"chunk_size": 16.0}, r"NatsConfig\.chunk_size = 16\.0 .*one of"),
         ({"layer_types": None}, r"NatsConfig\.layer_types = None .*a list"),
+        ({"softmax_gain_init": 0.0}, r"NatsConfig\.softmax_gain_init = 0\.0 .*positive finite"),
+        ({"softmax_gain_init": True}, r"NatsConfig\.softmax_gain_init = True .*positive finite"),
     ],
 )
 def test_bad_values_name_the_field_and_allowed_values(changes, message):

@@ -274,3 +274,28 @@ def test_merge_normalises_the_branches_branch_norm_names(branch_norm: str) -> No
         layer._merge(q, o_la, 2 * o_sm, x)  # evaluation leaves the statistics alone
         layer.softmax_scale.commit()
         torch.testing.assert_close(layer.softmax_scale.running_mean, mean_square)
+
+
+@pytest.mark.parametrize("branch_norm", ["linear", "scaled"])
+def test_softmax_gain_weights_each_softmax_head_and_learns(branch_norm: str) -> None:
+    """``softmax_gain_init``: the merge equals the ungained layer's with each softmax head's
+    output times its gain, and the gain gets a gradient."""
+    torch.manual_seed(0)
+    kwargs = dict(vocab_size=16, d_model=32, n_heads=2, softmax_heads_per_head=2,
+                  head_dim_k=16, head_dim_v=16, chunk_size=16, layer_types=("nats",),
+                  n_layers=1, branch_norm=branch_norm)
+    plain = NatsAttention(NatsConfig(**kwargs)).double()
+    gained = NatsAttention(NatsConfig(**kwargs, softmax_gain_init=0.05)).double()
+    gained.load_state_dict(plain.state_dict(), strict=False)
+    torch.testing.assert_close(gained.softmax_gain.detach(),
+                               torch.full((4,), 0.05, dtype=torch.float64))
+    with torch.no_grad():
+        gained.softmax_gain.copy_(torch.tensor([0.05, 0.5, 1.0, 2.0]))
+    x, q = torch.randn(2, 5, 32, dtype=torch.float64), torch.randn(2, 5, 32, dtype=torch.float64)
+    o_la = torch.randn(2, 5, 2, 16, dtype=torch.float64)
+    o_sm = torch.randn(2, 5, 4, 8, dtype=torch.float64)
+    expected = plain._merge(q, o_la, o_sm * gained.softmax_gain.detach()[:, None], x)
+    y = gained._merge(q, o_la, o_sm, x)
+    torch.testing.assert_close(y, expected)
+    y.square().sum().backward()
+    assert gained.softmax_gain.grad is not None and gained.softmax_gain.grad.abs().min() > 0
