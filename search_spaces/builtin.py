@@ -46,7 +46,8 @@ BUILTIN_SPACES: dict[str, dict[str, Any]] = {
             "layers": {"choices": ["nats", "linear", "softmax"]},
             "softmax_heads_per_head": [1, 2, 4],
             "linear_op": list(LINEAR_OPS),
-            # Language and retrieval want "linear", recall "scaled" (docs/RESULTS.md).
+            # The needle wants "linear", recall "scaled" (docs/RESULTS.md); the LM's best,
+            # "scaled" with softmax_gain_init, is not searched.
             "branch_norm": ["both", "linear", "scaled"],
             "reg_lambda": {"low": 0.001, "high": 0.3, "log": True},
             "lr": {"low": 0.001, "high": 0.01, "log": True},
