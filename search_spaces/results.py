@@ -46,8 +46,7 @@ def _row(record: dict[str, Any], error: str | None) -> dict[str, Any]:
                            "step": record.get("step", 0), "steps": record.get("steps"),
                            "node": record.get("node"), "gpus": record.get("gpus"),
                            "wall_s": _wall_s(record)}
-    for name in ("chunk_size", "n_layers", "d_model", "n_heads", "softmax_heads_per_head",
-                 "reg_lambda", "softmax_target"):
+    for name in MODEL_PARAMS:  # every model field a space may search, for the table
         row[name] = model.get(name)
     row["layer_types"] = "-".join(model.get("layer_types", []))
     for key, value in sorted(record.get("params", {}).items()):

@@ -14,6 +14,7 @@ A space is a mapping, checked on load (a bad key or value raises :class:`SpaceEr
       linear_op: [gated_deltanet, gated_linear_attention]   # the linear operator
       softmax_target: [0.125, 0.25, 0.5]  # NAtS-L layers' softmax budget
       branch_norm: [both, linear, scaled]  # how NAtS-L layers scale their branch outputs
+      softmax_gain_init: [null, 0.05]  # no learned softmax gain, or one started at 0.05
       reg_lambda: {low: 0.001, high: 0.3, log: true}  # a range: float, or int if both are
       lr: {low: 0.001, high: 0.01, log: true}
       d_model: 64                      # a single value: fixed for every trial
@@ -49,7 +50,7 @@ class SpaceError(ValueError):
 
 
 MODEL_PARAMS = ("chunk_size", "n_layers", "d_model", "n_heads", "softmax_heads_per_head",
-                "linear_op", "reg_lambda", "softmax_target", "branch_norm")
+                "linear_op", "reg_lambda", "softmax_target", "branch_norm", "softmax_gain_init")
 """``params`` keys that set a ``NatsConfig`` field."""
 TRAIN_PARAMS = ("lr", "weight_decay", "warmup_steps", "batch_size", "steps")
 """``params`` keys that set a ``TrainConfig`` field."""
@@ -60,8 +61,11 @@ LAYER_KEYS_PATTERN = ("every", "kind", "other")
 INT_PARAMS = ("n_layers", "d_model", "n_heads", "softmax_heads_per_head", "warmup_steps",
               "batch_size", "steps")
 """Positive integers (``warmup_steps`` may be 0)."""
-FLOAT_PARAMS = ("reg_lambda", "lr", "weight_decay", "softmax_target")
-ROUTING_PARAMS = ("chunk_size", "reg_lambda", "softmax_target", "branch_norm")
+FLOAT_PARAMS = ("reg_lambda", "lr", "weight_decay", "softmax_target", "softmax_gain_init")
+NULLABLE_PARAMS = ("softmax_gain_init",)
+"""Keys whose list of choices may hold ``null`` (the field's "none")."""
+ROUTING_PARAMS = ("chunk_size", "reg_lambda", "softmax_target", "branch_norm",
+                  "softmax_gain_init")
 """Keys that only NAtS-L layers read: a trial without one is not asked for them (Optuna
 would otherwise credit them with differences they cannot cause, and a trial differing
 only in them would train the same model again)."""
@@ -204,11 +208,11 @@ class DefineByRun:
 
 
 def _admits(dim: Dim, value: Any) -> bool:
-    """Whether ``dim`` can suggest ``value`` (``None``, no setting, it never can)."""
-    if value is None:
-        return False
+    """Whether ``dim`` can suggest ``value`` (``None`` only from a list that holds it)."""
     if dim.choices is not None:
         return value in dim.choices
+    if value is None:
+        return False
     return float(dim.low) <= value <= float(dim.high)
 
 
@@ -228,6 +232,8 @@ def _choices(key: str) -> tuple[str, tuple[Any, ...]]:
 
 def _check_value(where: str, key: str, value: Any) -> None:
     """One value of ``params.<key>``; raises naming the key and what it may be."""
+    if value is None and key in NULLABLE_PARAMS:
+        return
     if key in CHOICE_PARAMS:
         what, allowed = _choices(key)
         if isinstance(value, bool) or value not in allowed:
@@ -244,7 +250,8 @@ def _check_value(where: str, key: str, value: Any) -> None:
             lambda v: v > 0)
         if not _number(value) or not least_ok(value):
             bound = ">= 0" if key in ("reg_lambda", "weight_decay") else "> 0"
-            raise _err(where, f"params.{key}", value, f"finite numbers {bound}")
+            nullable = " or null" if key in NULLABLE_PARAMS else ""
+            raise _err(where, f"params.{key}", value, f"finite numbers {bound}{nullable}")
 
 
 def _dim(where: str, key: str, spec: Any) -> Dim:
@@ -267,6 +274,8 @@ def _dim(where: str, key: str, spec: Any) -> Dim:
             raise _err(where, f"params.{key}", dict(spec),
                        f"a list of {what} from {allowed}, not a range")
         for v in (low, high):
+            if v is None:
+                raise _err(where, f"params.{key}", dict(spec), "a range of numbers")
             _check_value(where, key, v)
         if not low < high:
             raise _err(where, f"params.{key}", dict(spec), "a range with low < high")

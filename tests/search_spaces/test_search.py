@@ -295,6 +295,29 @@ def test_a_configuration_proposed_again_is_not_trained_again(tmp_path: Path, loc
     assert all(t["status"] == "done" for t in front)
 
 
+def test_searched_model_fields_reach_the_trials_and_the_table(tmp_path: Path, local_ray,
+                                                              capsys) -> None:
+    """A space over the branch norm and the softmax gain (``null`` a choice): every trial's
+    model has the values its row names, and the printed table shows them."""
+    space = tmp_path / "space.yaml"
+    space.write_text("params:\n  layers: {choices: [nats]}\n  branch_norm: [linear, scaled]\n"
+                     "  softmax_gain_init: [null, 0.05]\n")
+    out = tmp_path / "search"
+    assert main(["search", *TINY, "--space", str(space), "--num-trials", "4",
+                 "--max-concurrent", "1", "--seed", "1", "--out", str(out)]) == 0
+    rows = [r for r in _rows(out) if r["status"] == "done"]
+    assert rows
+    for row in rows:
+        model = json.loads((out / "trials" / row["trial_id"] / "train_config.json").read_text()
+                           )["model"]
+        assert row["branch_norm"] == model["branch_norm"]
+        gain = model["softmax_gain_init"]
+        assert row["softmax_gain_init"] == ("" if gain is None else str(gain))
+    header = next(line for line in capsys.readouterr().out.splitlines()
+                  if line.lstrip().startswith("trial_id"))
+    assert "branch_norm" in header and "softmax_gain_init" in header
+
+
 def test_settings_of_earlier_versions_load() -> None:
     from nats.search_spaces import load_space, search_base
 

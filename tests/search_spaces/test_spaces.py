@@ -39,7 +39,8 @@ def test_the_budget_is_checked_as_a_share() -> None:
 def test_per_layer_choices_follow_the_depth() -> None:
     space = load_space("full")
     params = {"n_layers": 3, "d_model": 128, "chunk_size": 64, "softmax_heads_per_head": 4,
-              "linear_op": "deltanet", "branch_norm": "linear", "reg_lambda": 0.01, "lr": 0.002,
+              "linear_op": "deltanet", "branch_norm": "linear", "softmax_gain_init": 0.05,
+              "reg_lambda": 0.01, "lr": 0.002,
               "layer0": "softmax", "layer1": "nats", "layer2": "linear"}
     got = space.sample(FixedTrial(params), BASE)
     assert got.model.layer_types == ("softmax", "nats", "linear")
@@ -89,6 +90,28 @@ def test_branch_norm_is_a_routing_choice() -> None:
         space_from_dict({"params": {"branch_norm": ["rms"]}})
 
 
+def test_softmax_gain_is_a_routing_choice_that_may_be_none() -> None:
+    """``softmax_gain_init: [null, 0.05]``: both choices reach the model, a model without
+    NAtS-L layers is not asked, and the all-NAtS-L baseline keeps the base's ``None``."""
+    space = space_from_dict({"params": {"softmax_gain_init": [None, 0.05],
+                                        "layers": {"choices": ["nats", "linear"]}}})
+    for gain in (None, 0.05):
+        got = space.sample(FixedTrial({"layer0": "nats", "layer1": "nats",
+                                       "softmax_gain_init": gain}), BASE)
+        assert got.model.softmax_gain_init == gain
+    assert BASE.model.softmax_gain_init is None
+    points = space.baseline_points(BASE)
+    assert {"layer0": "nats", "layer1": "nats", "softmax_gain_init": None} in points
+    gained = BASE.replace(model=BASE.model.replace(softmax_gain_init=1.0))
+    assert all("softmax_gain_init" not in p for p in space.baseline_points(gained))
+    assert space_from_dict({"params": {"softmax_gain_init": {"low": 0.01, "high": 1.0,
+                                                             "log": True}}}).dim(
+        "softmax_gain_init").low == 0.01
+    for bad in ([0.0], [None, -1.0], {"low": None, "high": 1.0}):
+        with pytest.raises(SpaceError, match=r"params\.softmax_gain_init"):
+            space_from_dict({"params": {"softmax_gain_init": bad}})
+
+
 def test_define_by_run_asks_exactly_the_conditional_dimensions() -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     space = load_space("full")
@@ -114,7 +137,8 @@ def test_routing_parameters_are_asked_only_of_models_that_route() -> None:
     assert (got.model.chunk_size, got.model.reg_lambda) == (BASE.model.chunk_size,
                                                             BASE.model.reg_lambda)
     routed = space.sample(FixedTrial({**params, "layer1": "nats", "chunk_size": 32,
-                                      "branch_norm": "linear", "reg_lambda": 0.05}), BASE)
+                                      "branch_norm": "linear", "softmax_gain_init": None,
+                                      "reg_lambda": 0.05}), BASE)
     assert (routed.model.chunk_size, routed.model.reg_lambda) == (32, 0.05)
     assert routed.model.branch_norm == "linear"
     assert got.model.branch_norm == BASE.model.branch_norm == "scaled"
