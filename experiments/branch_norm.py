@@ -35,8 +35,9 @@ KEYS = ("eval/acc", "eval/loss", "eval/route_frac", "eval/route_informative/laye
 def run(norm: str, seed: int, out: Path, gain: float | None) -> dict[str, float | str | int]:
     base = search_base("mqar-search")
     model = base.model.replace(branch_norm=norm, softmax_gain_init=gain)
+    name = norm if gain is None else f"{norm}-gain{gain:g}"
     config = base.replace(model=model, device="cpu", seed=seed,
-                          out_dir=str(out / f"{norm}-seed{seed}"))
+                          out_dir=str(out / f"{name}-seed{seed}"))
     metrics = train(config).eval_metrics
     return {"branch_norm": norm, "softmax_gain_init": gain, "seed": seed,
             **{k: metrics[k] for k in KEYS}}

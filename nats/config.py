@@ -287,11 +287,13 @@ class NatsConfig:
 
 OFFICIAL_RECIPE: dict[str, Any] = {
     "route_grad": "selected", "scorer_norm": False, "scorer_init": "normal",
-    "scorer_detach": False, "softmax_target": None, "output_gate": "silu"}
+    "scorer_detach": False, "softmax_target": None, "output_gate": "silu", "branch_norm": "both",
+    "softmax_gain_init": None}
 """The router and output settings of the official NAtS-L code (automl/
 NeuralAttentionSearchLinear, 340M config): only the chosen option's route gradient, a
 raw pooled input that the route gradient flows back into, the scorer drawn like every
-weight, no budget and a SiLU output gate.
+weight, no budget, a SiLU output gate, both branch outputs RMS-normalised and no softmax
+gain.
 The defaults differ where docs/RESULTS.md measured that they train better."""
 
 DUMP_FIELDS = frozenset({"sampler", "gumbel_tau", "reg_lambda", "norm_eps",

@@ -97,8 +97,8 @@ class Dim:
         return trial.suggest_float(self.name, float(self.low), float(self.high), log=self.log)
 
     def describe(self) -> str:
-        if self.choices is not None:
-            return " | ".join(str(c) for c in self.choices)
+        if self.choices is not None:  # null as the YAML spells it
+            return " | ".join("null" if c is None else str(c) for c in self.choices)
         return f"{self.low} .. {self.high}{' (log)' if self.log else ''}"
 
 
@@ -230,9 +230,11 @@ def _choices(key: str) -> tuple[str, tuple[Any, ...]]:
     return what, tuple(allowed)
 
 
-def _check_value(where: str, key: str, value: Any) -> None:
-    """One value of ``params.<key>``; raises naming the key and what it may be."""
-    if value is None and key in NULLABLE_PARAMS:
+def _check_value(where: str, key: str, value: Any, bound: bool = False) -> None:
+    """One value of ``params.<key>`` (``bound``: of a range, where ``null`` is no value);
+    raises naming the key and what it may be."""
+    nullable = key in NULLABLE_PARAMS and not bound
+    if value is None and nullable:
         return
     if key in CHOICE_PARAMS:
         what, allowed = _choices(key)
@@ -249,9 +251,9 @@ def _check_value(where: str, key: str, value: Any) -> None:
         least_ok = (lambda v: v >= 0) if key in ("reg_lambda", "weight_decay") else (
             lambda v: v > 0)
         if not _number(value) or not least_ok(value):
-            bound = ">= 0" if key in ("reg_lambda", "weight_decay") else "> 0"
-            nullable = " or null" if key in NULLABLE_PARAMS else ""
-            raise _err(where, f"params.{key}", value, f"finite numbers {bound}{nullable}")
+            least = ">= 0" if key in ("reg_lambda", "weight_decay") else "> 0"
+            raise _err(where, f"params.{key}", value,
+                       f"finite numbers {least}{' or null' if nullable else ''}")
 
 
 def _dim(where: str, key: str, spec: Any) -> Dim:
@@ -274,9 +276,7 @@ def _dim(where: str, key: str, spec: Any) -> Dim:
             raise _err(where, f"params.{key}", dict(spec),
                        f"a list of {what} from {allowed}, not a range")
         for v in (low, high):
-            if v is None:
-                raise _err(where, f"params.{key}", dict(spec), "a range of numbers")
-            _check_value(where, key, v)
+            _check_value(where, key, v, bound=True)
         if not low < high:
             raise _err(where, f"params.{key}", dict(spec), "a range with low < high")
         if not isinstance(log, bool):

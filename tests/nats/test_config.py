@@ -31,6 +31,8 @@ from nats import ConfigError, NatsConfig
         ({"layer_types": None}, r"NatsConfig\.layer_types = None .*a list"),
         ({"softmax_gain_init": 0.0}, r"NatsConfig\.softmax_gain_init = 0\.0 .*positive finite"),
         ({"softmax_gain_init": True}, r"NatsConfig\.softmax_gain_init = True .*positive finite"),
+        ({"softmax_gain_init": float("inf")}, r"softmax_gain_init = inf .*positive finite"),
+        ({"softmax_gain_init": "0.05"}, r"softmax_gain_init = '0\.05' .*positive finite"),
     ],
 )
 def test_bad_values_name_the_field_and_allowed_values(changes, message):

@@ -25,9 +25,15 @@ def test_prefill_then_decode_equals_parallel_forward(layer_types, seq_len, promp
     assert rel_err(decode_logits(model, ids, prompt_len), full) < 1e-12
 
 
-def test_decoding_divides_by_the_trained_softmax_scale():
-    """``branch_norm="scaled"``: decoding reads the running RMS a training step set."""
-    model = tiny_model(("nats", "nats"), branch_norm="scaled")
+@pytest.mark.parametrize("gain", [None, 0.3])
+def test_decoding_divides_by_the_trained_softmax_scale(gain):
+    """``branch_norm="scaled"``: decoding reads the running RMS a training step set (and
+    each head's learned gain, ``softmax_gain_init``)."""
+    model = tiny_model(("nats", "nats"), branch_norm="scaled", softmax_gain_init=gain)
+    if gain is not None:
+        with torch.no_grad():
+            for layer in model.nats_layers:
+                layer.softmax_gain.uniform_(-2.0, 2.0)
     ids = torch.randint(0, 50, (3, 53), generator=torch.Generator().manual_seed(3))
     model.train()
     model(ids)

@@ -276,7 +276,7 @@ def test_merge_normalises_the_branches_branch_norm_names(branch_norm: str) -> No
         torch.testing.assert_close(layer.softmax_scale.running_mean, mean_square)
 
 
-@pytest.mark.parametrize("branch_norm", ["linear", "scaled"])
+@pytest.mark.parametrize("branch_norm", ["both", "linear", "scaled"])
 def test_softmax_gain_weights_each_softmax_head_and_learns(branch_norm: str) -> None:
     """``softmax_gain_init``: the merge equals the ungained layer's with each softmax head's
     output times its gain, and the gain gets a gradient."""
@@ -286,7 +286,8 @@ def test_softmax_gain_weights_each_softmax_head_and_learns(branch_norm: str) -> 
                   n_layers=1, branch_norm=branch_norm)
     plain = NatsAttention(NatsConfig(**kwargs)).double()
     gained = NatsAttention(NatsConfig(**kwargs, softmax_gain_init=0.05)).double()
-    gained.load_state_dict(plain.state_dict(), strict=False)
+    missing = gained.load_state_dict(plain.state_dict(), strict=False).missing_keys
+    assert missing == ["softmax_gain"]
     torch.testing.assert_close(gained.softmax_gain.detach(),
                                torch.full((4,), 0.05, dtype=torch.float64))
     with torch.no_grad():
@@ -294,7 +295,16 @@ def test_softmax_gain_weights_each_softmax_head_and_learns(branch_norm: str) -> 
     x, q = torch.randn(2, 5, 32, dtype=torch.float64), torch.randn(2, 5, 32, dtype=torch.float64)
     o_la = torch.randn(2, 5, 2, 16, dtype=torch.float64)
     o_sm = torch.randn(2, 5, 4, 8, dtype=torch.float64)
-    expected = plain._merge(q, o_la, o_sm * gained.softmax_gain.detach()[:, None], x)
+    if branch_norm == "both":  # the gain scales the normalised output, not the raw one
+        plain_gain = gained.softmax_gain.detach()
+        sm = o_sm / (o_sm.pow(2).mean(-1, keepdim=True) + plain.cfg.norm_eps).sqrt()
+        w = torch.softmax(plain.mix(q).view(2, 5, 4, 2), -1)
+        la = o_la.reshape(2, 5, 4, 8)
+        la = la / (la.pow(2).mean(-1, keepdim=True) + plain.cfg.norm_eps).sqrt()
+        y_ref = (w[..., :1] * la + w[..., 1:] * plain_gain[:, None] * sm) * plain.out.gamma
+        expected = plain.out.out(y_ref.flatten(-2))
+    else:
+        expected = plain._merge(q, o_la, o_sm * gained.softmax_gain.detach()[:, None], x)
     y = gained._merge(q, o_la, o_sm, x)
     torch.testing.assert_close(y, expected)
     y.square().sum().backward()

@@ -107,9 +107,12 @@ def test_softmax_gain_is_a_routing_choice_that_may_be_none() -> None:
     assert space_from_dict({"params": {"softmax_gain_init": {"low": 0.01, "high": 1.0,
                                                              "log": True}}}).dim(
         "softmax_gain_init").low == 0.01
-    for bad in ([0.0], [None, -1.0], {"low": None, "high": 1.0}):
-        with pytest.raises(SpaceError, match=r"params\.softmax_gain_init"):
+    for bad, allowed in (([0.0], "finite numbers > 0 or null"),
+                         ([None, -1.0], "finite numbers > 0 or null"),
+                         ({"low": None, "high": 1.0}, "finite numbers > 0$")):
+        with pytest.raises(SpaceError, match=rf"params\.softmax_gain_init = .* {allowed}"):
             space_from_dict({"params": {"softmax_gain_init": bad}})
+    assert space.dim("softmax_gain_init").describe() == "null | 0.05"
 
 
 def test_define_by_run_asks_exactly_the_conditional_dimensions() -> None:
