@@ -12,7 +12,7 @@ A space is a mapping, checked on load (a bad key or value raises :class:`SpaceEr
       # layers: {every: [1, 2], kind: nats, other: [gdn, softmax]}   # ... or a pattern
       softmax_heads_per_head: [1, 2, 4]
       linear_op: [gated_deltanet, gated_linear_attention]   # the linear operator
-      softmax_target: [0.125, 0.25, 0.5]  # NAtS-L layers' softmax budget
+      softmax_target: [0.125, 0.25, 0.5]  # NAtS-L layers' softmax budget (null: none)
       branch_norm: [both, linear, scaled]  # how NAtS-L layers scale their branch outputs
       softmax_gain_init: [null, 0.05]  # no learned softmax gain, or one started at 0.05
       reg_lambda: {low: 0.001, high: 0.3, log: true}  # a range: float, or int if both are
@@ -62,8 +62,9 @@ INT_PARAMS = ("n_layers", "d_model", "n_heads", "softmax_heads_per_head", "warmu
               "batch_size", "steps")
 """Positive integers (``warmup_steps`` may be 0)."""
 FLOAT_PARAMS = ("reg_lambda", "lr", "weight_decay", "softmax_target", "softmax_gain_init")
-NULLABLE_PARAMS = ("softmax_gain_init",)
-"""Keys whose list of choices may hold ``null`` (the field's "none")."""
+NULLABLE_PARAMS = ("softmax_target", "softmax_gain_init")
+"""Keys whose list of choices may hold ``null`` (the field's "none": no budget, only
+``reg_lambda`` pricing softmax; no gain)."""
 ROUTING_PARAMS = ("chunk_size", "reg_lambda", "softmax_target", "branch_norm",
                   "softmax_gain_init")
 """Keys that only NAtS-L layers read: a trial without one is not asked for them (Optuna
@@ -246,7 +247,8 @@ def _check_value(where: str, key: str, value: Any, bound: bool = False) -> None:
             raise _err(where, f"params.{key}", value, f"integers >= {least}")
     elif key == "softmax_target":
         if not _number(value) or not 0 < value < 1:
-            raise _err(where, f"params.{key}", value, "numbers in (0, 1)")
+            raise _err(where, f"params.{key}", value,
+                       f"numbers in (0, 1){' or null' if nullable else ''}")
     elif key in FLOAT_PARAMS:
         least_ok = (lambda v: v >= 0) if key in ("reg_lambda", "weight_decay") else (
             lambda v: v > 0)

@@ -333,7 +333,8 @@ def _presets() -> dict[str, TrainConfig]:
         # Byte-level language model on the Python standard library's sources. The softmax
         # output merged at its running RMS times a learned gain started small: on byte-level
         # LM that beat the other norms, Gated DeltaNet and the layer hybrid at the same share
-        # (docs/RESULTS.md, "A learned gain on the softmax output").
+        # (docs/RESULTS.md, "A learned gain on the softmax output"). Another norm on the
+        # command line keeps the gain: add --softmax-gain-init none to drop it.
         "bytes-small": TrainConfig(model=_small_model().replace(branch_norm="scaled",
                                                                 softmax_gain_init=0.05),
                                    task="text", steps=5000,

@@ -115,6 +115,18 @@ def test_softmax_gain_is_a_routing_choice_that_may_be_none() -> None:
     assert space.dim("softmax_gain_init").describe() == "null | 0.05"
 
 
+def test_a_space_may_search_no_budget_against_budgets() -> None:
+    """``softmax_target: [null, 0.25]``: ``null`` reaches the model as no budget (the
+    cost term alone prices softmax)."""
+    space = space_from_dict({"params": {"softmax_target": [None, 0.25],
+                                        "layers": {"choices": ["nats", "linear"]}}})
+    got = space.sample(FixedTrial({"layer0": "nats", "layer1": "nats",
+                                   "softmax_target": None}), BASE)
+    assert got.model.softmax_target is None
+    with pytest.raises(SpaceError, match=r"softmax_target = 1\.5 .* numbers in \(0, 1\) or null"):
+        space_from_dict({"params": {"softmax_target": [None, 1.5]}})
+
+
 def test_define_by_run_asks_exactly_the_conditional_dimensions() -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     space = load_space("full")
