@@ -173,13 +173,10 @@ class NatsConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 _fail(name, value, "a positive integer")
         for name in ("gumbel_tau", "mlp_ratio", "norm_eps", "rope_theta", "initializer_range"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 \
-                    or not math.isfinite(value):
-                _fail(name, value, "a positive finite number")
+            if not _positive_finite(getattr(self, name)):
+                _fail(name, getattr(self, name), "a positive finite number")
         gain = self.softmax_gain_init
-        if gain is not None and (isinstance(gain, bool) or not isinstance(gain, (int, float))
-                                 or not 0 < gain < math.inf):
+        if gain is not None and not _positive_finite(gain):
             _fail("softmax_gain_init", gain, "null (no gain) or a positive finite number")
         if not isinstance(self.reg_lambda, (int, float)) or not 0 <= self.reg_lambda < math.inf:
             _fail("reg_lambda", self.reg_lambda, "a finite number >= 0")
@@ -312,6 +309,12 @@ def reject_unknown_fields(cls: type, data: dict[str, Any]) -> None:
 def fail(owner: str, name: str, value: Any, allowed: str) -> NoReturn:
     """Raise the one error message shape of every config: field, value, what is allowed."""
     raise ConfigError(f"{owner}.{name} = {value!r} is invalid: must be {allowed}")
+
+
+def _positive_finite(value: Any) -> bool:
+    """A number (not a bool, which JSON ``true`` would be) in (0, inf)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value) and value > 0
 
 
 def _fail(name: str, value: Any, allowed: str) -> NoReturn:
