@@ -15,6 +15,7 @@ A space is a mapping, checked on load (a bad key or value raises :class:`SpaceEr
       softmax_target: [0.125, 0.25, 0.5]  # NAtS-L layers' softmax budget (null: none)
       branch_norm: [both, linear, scaled]  # how NAtS-L layers scale their branch outputs
       softmax_gain_init: [null, 0.05]  # no learned softmax gain, or one started at 0.05
+      budget_anneal: [0.0, 0.3]        # the budget's target falls from 1 over this share
       reg_lambda: {low: 0.001, high: 0.3, log: true}  # a range: float, or int if both are
       lr: {low: 0.001, high: 0.01, log: true}
       d_model: 64                      # a single value: fixed for every trial
@@ -52,7 +53,7 @@ class SpaceError(ValueError):
 MODEL_PARAMS = ("chunk_size", "n_layers", "d_model", "n_heads", "softmax_heads_per_head",
                 "linear_op", "reg_lambda", "softmax_target", "branch_norm", "softmax_gain_init")
 """``params`` keys that set a ``NatsConfig`` field."""
-TRAIN_PARAMS = ("lr", "weight_decay", "warmup_steps", "batch_size", "steps")
+TRAIN_PARAMS = ("lr", "weight_decay", "warmup_steps", "batch_size", "steps", "budget_anneal")
 """``params`` keys that set a ``TrainConfig`` field."""
 PARAMS = (*MODEL_PARAMS, "layers", *TRAIN_PARAMS)
 TOP_KEYS = ("name", "description", "params")
@@ -61,15 +62,17 @@ LAYER_KEYS_PATTERN = ("every", "kind", "other")
 INT_PARAMS = ("n_layers", "d_model", "n_heads", "softmax_heads_per_head", "warmup_steps",
               "batch_size", "steps")
 """Positive integers (``warmup_steps`` may be 0)."""
-FLOAT_PARAMS = ("reg_lambda", "lr", "weight_decay", "softmax_target", "softmax_gain_init")
+FLOAT_PARAMS = ("reg_lambda", "lr", "weight_decay", "softmax_target", "softmax_gain_init",
+                "budget_anneal")
 NULLABLE_PARAMS = ("softmax_target", "softmax_gain_init")
 """Keys whose list of choices may hold ``null`` (the field's "none": no budget, only
 ``reg_lambda`` pricing softmax; no gain)."""
 ROUTING_PARAMS = ("chunk_size", "reg_lambda", "softmax_target", "branch_norm",
-                  "softmax_gain_init")
+                  "softmax_gain_init", "budget_anneal")
 """Keys that only NAtS-L layers read: a trial without one is not asked for them (Optuna
 would otherwise credit them with differences they cannot cause, and a trial differing
-only in them would train the same model again)."""
+only in them would train the same model again). ``budget_anneal`` is asked only under a
+budget (``softmax_target`` not null), the only place the trainer reads it."""
 CHOICE_PARAMS = {"chunk_size": ("chunk sizes", CHUNK_SIZES),
                  "linear_op": ("operators", LINEAR_OP_SPECS.keys()),
                  "branch_norm": ("branch norms", BRANCH_NORMS)}
@@ -158,8 +161,12 @@ class SearchSpace:
             # Depth without a layer mix: repeat the base's pattern, cut or extended.
             types = tuple(types[i % len(types)] for i in range(n_layers))
         model_changes["layer_types"] = types
-        for dim in self.dims:
+        # The budget's annealing last: whether it is asked depends on the budget drawn.
+        for dim in sorted(self.dims, key=lambda d: d.name == "budget_anneal"):
             if dim.name == "n_layers" or (dim.name in ROUTING_PARAMS and "nats" not in types):
+                continue
+            if dim.name == "budget_anneal" and model_changes.get(
+                    "softmax_target", base.model.softmax_target) is None:
                 continue
             value = dim.suggest(trial)
             (model_changes if dim.name in MODEL_PARAMS else train_changes)[dim.name] = value
@@ -181,11 +188,11 @@ class SearchSpace:
             {f"layer{i}": kind for i in range(n)} for pure in ("softmax", "linear")
             for kind in mix.choices if canonical_layer_type(kind, warn=False) == pure]
         routing = [d for d in self.dims if d.name in ROUTING_PARAMS]
-        if "nats" in mix.choices and all(_admits(d, getattr(base.model, d.name))
+        if "nats" in mix.choices and all(_admits(d, _base_value(base, d.name))
                                          for d in routing):
             asked = [d.name for d in routing if d.choices is None or len(d.choices) > 1]
             points.append({**{f"layer{i}": "nats" for i in range(n)},
-                           **{name: getattr(base.model, name) for name in asked}})
+                           **{name: _base_value(base, name) for name in asked}})
         return points
 
     def describe(self) -> list[str]:
@@ -206,6 +213,11 @@ class DefineByRun:
 
     def __call__(self, trial: Any) -> None:
         self.space.sample(trial, self.base)
+
+
+def _base_value(base: TrainConfig, name: str) -> Any:
+    """What ``base`` sets for ``params`` key ``name`` (a train or a model field)."""
+    return getattr(base, name) if name in TRAIN_PARAMS else getattr(base.model, name)
 
 
 def _admits(dim: Dim, value: Any) -> bool:
@@ -249,6 +261,9 @@ def _check_value(where: str, key: str, value: Any, bound: bool = False) -> None:
         if not _number(value) or not 0 < value < 1:
             raise _err(where, f"params.{key}", value,
                        f"numbers in (0, 1){' or null' if nullable else ''}")
+    elif key == "budget_anneal":
+        if not _number(value) or not 0 <= value <= 1:
+            raise _err(where, f"params.{key}", value, "numbers in [0, 1]")
     elif key in FLOAT_PARAMS:
         least_ok = (lambda v: v >= 0) if key in ("reg_lambda", "weight_decay") else (
             lambda v: v > 0)

@@ -40,13 +40,14 @@ def test_per_layer_choices_follow_the_depth() -> None:
     space = load_space("full")
     params = {"n_layers": 3, "d_model": 128, "chunk_size": 64, "softmax_heads_per_head": 4,
               "linear_op": "deltanet", "branch_norm": "linear", "softmax_gain_init": 0.05,
-              "reg_lambda": 0.01, "lr": 0.002,
+              "budget_anneal": 0.3, "reg_lambda": 0.01, "lr": 0.002,
               "layer0": "softmax", "layer1": "nats", "layer2": "linear"}
     got = space.sample(FixedTrial(params), BASE)
     assert got.model.layer_types == ("softmax", "nats", "linear")
     assert got.model.linear_op == "deltanet" and got.model.branch_norm == "linear"
     assert (got.model.n_layers, got.model.d_model, got.model.chunk_size) == (3, 128, 64)
     assert got.model.softmax_heads_per_head == 4 and got.lr == 0.002
+    assert got.budget_anneal == 0.3
     two = space.sample(FixedTrial({**params, "n_layers": 2}), BASE)  # layer2 is not asked
     assert two.model.layer_types == ("softmax", "nats")
     with pytest.raises(ValueError, match="layer2"):
@@ -127,6 +128,31 @@ def test_a_space_may_search_no_budget_against_budgets() -> None:
         space_from_dict({"params": {"softmax_target": [None, 1.5]}})
 
 
+def test_budget_annealing_is_asked_only_under_a_budget() -> None:
+    """``budget_anneal`` sets the trainer's field for a model with a budget; without a
+    NAtS-L layer or with ``softmax_target: null`` it is not asked and the base's stays."""
+    space = space_from_dict({"params": {"budget_anneal": [0.0, 0.3],
+                                        "softmax_target": [None, 0.5],
+                                        "layers": {"choices": ["nats", "linear"]}}})
+    nats = {"layer0": "nats", "layer1": "nats"}
+    got = space.sample(FixedTrial({**nats, "softmax_target": 0.5, "budget_anneal": 0.3}), BASE)
+    assert (got.budget_anneal, got.model.softmax_target) == (0.3, 0.5) == (
+        0.3, BASE.model.softmax_target)
+    free = space.sample(FixedTrial({**nats, "softmax_target": None}), BASE)
+    assert free.budget_anneal == BASE.budget_anneal == 0.0 and free.model.softmax_target is None
+    plain = space.sample(FixedTrial({"layer0": "linear", "layer1": "linear"}), BASE)
+    assert plain.budget_anneal == BASE.budget_anneal
+    # The all-NAtS-L baseline keeps the base's budget and annealing.
+    assert {**nats, "softmax_target": BASE.model.softmax_target,
+            "budget_anneal": 0.0} in space.baseline_points(BASE)
+    annealed = BASE.replace(budget_anneal=0.5)
+    assert all("budget_anneal" not in p for p in space.baseline_points(annealed))
+    for bad in ([0.0, 1.5], [-0.1], {"low": 0.0, "high": 2.0}):
+        with pytest.raises(SpaceError, match=r"params\.budget_anneal = .* numbers in \[0, 1\]"):
+            space_from_dict({"params": {"budget_anneal": bad}})
+    assert "budget_anneal" in {d.name for d in load_space("full").dims}
+
+
 def test_define_by_run_asks_exactly_the_conditional_dimensions() -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     space = load_space("full")
@@ -153,7 +179,7 @@ def test_routing_parameters_are_asked_only_of_models_that_route() -> None:
                                                             BASE.model.reg_lambda)
     routed = space.sample(FixedTrial({**params, "layer1": "nats", "chunk_size": 32,
                                       "branch_norm": "linear", "softmax_gain_init": None,
-                                      "reg_lambda": 0.05}), BASE)
+                                      "budget_anneal": 0.0, "reg_lambda": 0.05}), BASE)
     assert (routed.model.chunk_size, routed.model.reg_lambda) == (32, 0.05)
     assert routed.model.branch_norm == "linear"
     assert got.model.branch_norm == BASE.model.branch_norm == "scaled"
