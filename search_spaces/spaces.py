@@ -163,10 +163,8 @@ class SearchSpace:
         model_changes["layer_types"] = types
         # The budget's annealing last: whether it is asked depends on the budget drawn.
         for dim in sorted(self.dims, key=lambda d: d.name == "budget_anneal"):
-            if dim.name == "n_layers" or (dim.name in ROUTING_PARAMS and "nats" not in types):
-                continue
-            if dim.name == "budget_anneal" and model_changes.get(
-                    "softmax_target", base.model.softmax_target) is None:
+            target = model_changes.get("softmax_target", base.model.softmax_target)
+            if dim.name == "n_layers" or not _asked(dim.name, types, target):
                 continue
             value = dim.suggest(trial)
             (model_changes if dim.name in MODEL_PARAMS else train_changes)[dim.name] = value
@@ -187,7 +185,8 @@ class SearchSpace:
         points: list[dict[str, Any]] = [
             {f"layer{i}": kind for i in range(n)} for pure in ("softmax", "linear")
             for kind in mix.choices if canonical_layer_type(kind, warn=False) == pure]
-        routing = [d for d in self.dims if d.name in ROUTING_PARAMS]
+        routing = [d for d in self.dims if d.name in ROUTING_PARAMS
+                   and _asked(d.name, ("nats",), base.model.softmax_target)]
         if "nats" in mix.choices and all(_admits(d, _base_value(base, d.name))
                                          for d in routing):
             asked = [d.name for d in routing if d.choices is None or len(d.choices) > 1]
@@ -213,6 +212,14 @@ class DefineByRun:
 
     def __call__(self, trial: Any) -> None:
         self.space.sample(trial, self.base)
+
+
+def _asked(name: str, layer_types: tuple[str, ...], softmax_target: float | None) -> bool:
+    """Whether a model of these layers and budget reads ``params`` key ``name``: the
+    :data:`ROUTING_PARAMS` only with a NAtS-L layer, ``budget_anneal`` only under a budget."""
+    if name in ROUTING_PARAMS and "nats" not in layer_types:
+        return False
+    return name != "budget_anneal" or softmax_target is not None
 
 
 def _base_value(base: TrainConfig, name: str) -> Any:

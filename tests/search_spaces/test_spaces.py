@@ -147,6 +147,10 @@ def test_budget_annealing_is_asked_only_under_a_budget() -> None:
             "budget_anneal": 0.0} in space.baseline_points(BASE)
     annealed = BASE.replace(budget_anneal=0.5)
     assert all("budget_anneal" not in p for p in space.baseline_points(annealed))
+    # Without a budget the annealing is not asked, so the baseline neither names it nor
+    # needs the base's value among the choices.
+    free_base = annealed.replace(model=BASE.model.replace(softmax_target=None))
+    assert {**nats, "softmax_target": None} in space.baseline_points(free_base)
     for bad in ([0.0, 1.5], [-0.1], {"low": 0.0, "high": 2.0}):
         with pytest.raises(SpaceError, match=r"params\.budget_anneal = .* numbers in \[0, 1\]"):
             space_from_dict({"params": {"budget_anneal": bad}})
