@@ -7,7 +7,9 @@ tqdm, safetensors and tensorboard are needed (no ray, optuna or ``datasets``).
 The grid's models are so small that one training leaves a GPU mostly idle (each step is
 bound by kernel launches), so ``--jobs N`` trains N grid cells at once, each in its own
 process. Prefill is timed afterwards, one run at a time, so that no other run shares the
-device while it is measured.
+device while it is measured. Ctrl-C, or SIGTERM to the script (what ``kill`` and job
+schedulers send), reaches every run in flight: each saves a checkpoint, and the same
+command resumes them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import contextlib
 import dataclasses
 import json
 import multiprocessing
+import os
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
@@ -234,14 +239,54 @@ class _InProcess(Executor):
         future: Future = Future()
         try:
             future.set_result(fn(*args, **kwargs))
-        except Exception as e:  # surfaces through future.result(), as from a worker
-            future.set_exception(e)
+        except (Exception, KeyboardInterrupt) as e:  # surfaces through future.result(),
+            future.set_exception(e)                  # as from a worker
         return future
 
 
 def _worker_setup(threads: int) -> None:
-    """N processes on the CPU must not each start one thread per core."""
+    """N processes on the CPU must not each start one thread per core. SIGTERM and SIGINT
+    are ignored outside training (the trainer catches them while it trains): a worker that
+    died while evaluating or idle would break the pool and lose the other runs' results."""
     torch.set_num_threads(threads)
+    for sig in _GridStop.SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+class _GridStop:
+    """While open, the first SIGTERM or SIGINT to this process stops the grid starting runs;
+    SIGTERM is also passed on to the worker processes (Ctrl-C in a terminal reaches them
+    itself), so each run finishes its step and saves a checkpoint. Without it the workers,
+    untouched by their parent's death, trained on unseen and kept their run folders locked
+    against the command that would resume them. A second signal stops at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        tqdm.write(f"{signal.Signals(signum).name}: no new runs start; the runs in flight "
+                   "save a checkpoint (send it again to stop now)")
+        if signum == signal.SIGTERM:
+            for child in multiprocessing.active_children():
+                os.kill(child.pid, signal.SIGTERM)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[_GridStop]:
+        """Signals can only be caught on the main thread; elsewhere nothing is installed."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        try:
+            yield self
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
 
 
 def _executor(jobs: int) -> Executor:
@@ -274,7 +319,9 @@ def run_grid(name: str, args: argparse.Namespace, base: TrainConfig, lrs: Sequen
     skipped: list[str] = []
     diverged: dict[str, str] = {}
     running: dict[Future, str] = {}
-    with _executor(args.jobs) as pool, tqdm(total=len(cells), desc=name, unit="run") as bar:
+    interrupted: list[str] = []
+    with _GridStop().installed() as stop, _executor(args.jobs) as pool, \
+            tqdm(total=len(cells), desc=name, unit="run") as bar:
 
         def collect(finished: set[Future]) -> None:
             for future in finished:
@@ -282,6 +329,8 @@ def run_grid(name: str, args: argparse.Namespace, base: TrainConfig, lrs: Sequen
                 bar.update(1)
                 try:
                     reports[tag] = future.result()
+                except KeyboardInterrupt as e:  # checkpointed: the others still finish
+                    interrupted.append(f"{tag} ({e})")
                 except ValueError as e:  # one diverging lr must not cost the whole table
                     if not str(e).startswith("training diverged"):
                         raise _failed(name, tag, e, out, args.jobs) from e
@@ -297,6 +346,8 @@ def run_grid(name: str, args: argparse.Namespace, base: TrainConfig, lrs: Sequen
                 continue
             while len(running) >= args.jobs:
                 collect(wait(running, return_when=FIRST_COMPLETED).done)
+            if stop.requested or interrupted:
+                break
             if not budget.left():
                 skipped.append(tag)
                 bar.update(1)
@@ -307,6 +358,9 @@ def run_grid(name: str, args: argparse.Namespace, base: TrainConfig, lrs: Sequen
             running[pool.submit(train_and_eval, run, arch, slices, eval_batches, device, done,
                                 console)] = tag
         collect(wait(running).done)
+    if interrupted or stop.requested:
+        raise SystemExit(f"{name}: interrupted, the same command resumes: "
+                         + ("; ".join(interrupted) or "no run was in flight"))
     order = [tag for tag, *_ in cells]
     ordered = [reports[tag] for tag in order if tag in reports]
     if device.type == "cuda" and not args.no_prefill:

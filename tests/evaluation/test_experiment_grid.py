@@ -7,8 +7,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import multiprocessing
+import os
 import shutil
+import signal
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +22,9 @@ import pytest
 import torch
 
 from nats import NatsConfig
+from nats.folder_lock import exclusive
 from nats.trainers import TrainConfig
+from nats.trainers.checkpoint import list_checkpoints
 
 # The scripts' helper module, imported as they import it; spawned workers inherit the path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
@@ -162,7 +169,7 @@ def test_an_interrupted_run_writes_no_report_and_resumes(tmp_path: Path,
 
     monkeypatch.setattr(common, "train", cut_short)
     tag = f"transformer-lr{GOOD_LR:g}-seed0"
-    with pytest.raises(KeyboardInterrupt, match="interrupted at step 5"):
+    with pytest.raises(SystemExit, match=r"the same command resumes: .*interrupted at step 5"):
         _grid(tmp_path, jobs=1, archs=["transformer"], lrs=(GOOD_LR,))
     assert not (tmp_path / f"{tag}.json").exists()
 
@@ -171,6 +178,42 @@ def test_an_interrupted_run_writes_no_report_and_resumes(tmp_path: Path,
     assert report["steps"] == 10
     assert report["final_train_loss"] is not None  # steps 6..10 ran in this call
     assert _json(tmp_path / f"{tag}.json")["steps"] == 10
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_the_workers_with_a_checkpoint(tmp_path: Path, sig: signal.Signals,
+                                                      ) -> None:
+    """``kill`` of the script (what a job scheduler sends) or Ctrl-C must stop its worker
+    processes with a checkpoint each, not leave them training on, orphaned, with their
+    folders locked against the command that resumes them, nor end in a traceback."""
+    archs, endless = ["transformer", "gdn"], 10**6  # only the signal ends these runs
+    logs = [tmp_path / "runs" / f"{arch}-lr{GOOD_LR:g}-seed0" / "console.log" for arch in archs]
+
+    def signal_once_training() -> None:
+        # Polled without a deadline: the runs cannot end before the signal arrives.
+        while not all(p.is_file() and "nats: training" in p.read_text() for p in logs):
+            time.sleep(0.2)
+        # SIGTERM goes to the script alone, as ``kill PID`` sends it; Ctrl-C in a terminal
+        # reaches every process of the foreground group.
+        targets = [] if sig == signal.SIGTERM else multiprocessing.active_children()
+        for pid in [os.getpid(), *(child.pid for child in targets)]:
+            os.kill(pid, sig)
+
+    sender = threading.Thread(target=signal_once_training, daemon=True)
+    sender.start()
+    with pytest.raises(SystemExit, match="interrupted, the same command resumes") as stopped:
+        _grid(tmp_path, jobs=2, archs=archs, lrs=(GOOD_LR,),
+              settings=(("steps", endless), ("checkpoint_interval", endless)))
+    sender.join()
+    assert multiprocessing.active_children() == []
+    for arch, log in zip(archs, logs, strict=True):
+        assert f"{arch}-lr{GOOD_LR:g}-seed0" in str(stopped.value)
+        assert f"{sig.name}: stopping after this step" in log.read_text()
+        (checkpoint,) = list_checkpoints(log.parent)
+        assert 0 < checkpoint[0] < endless
+        with exclusive(log.parent):  # released: the same command can resume it
+            pass
+    assert not list(tmp_path.glob("*.json"))  # no half-trained run reported as finished
 
 
 def test_a_failing_worker_names_its_run(tmp_path: Path) -> None:
