@@ -172,7 +172,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                    else f"acc {s['accuracy']:.3f} seq_acc {s['sequence_accuracy']:.3f}")
         routing = s.get("routing", {})
         precision = (f", informative chunks to softmax {routing['route_informative']:.2f} vs "
-                     f"filler {routing['route_filler']:.2f}" if routing else "")
+                     f"filler {routing['route_filler']:.2f} (query chunks "
+                     f"{routing.get('route_query', float('nan')):.2f})" if routing else "")
         lines.append(f"  {s['name']}: {quality}, softmax fraction {s['softmax_fraction']:.3f}"
                      f"{precision}, {s['tokens_per_second']:,.0f} tok/s ({s['length']})")
     for p in report["prefill"]:

@@ -11,7 +11,8 @@ hold everything the queries need; a fixed-size state has to keep them across hun
 filler tokens, while softmax attention only needs those chunks in its cache. So this is
 where a token-level hybrid should win: near the transformer's accuracy at a quarter of
 its KV cache, far above the linear model, with the informative chunks the ones routed to
-softmax (``eval/route_informative`` against ``eval/route_filler``).
+softmax (``eval/route_informative`` against ``eval/route_filler``; the chunks of the
+questions, ``eval/route_query``, are neither).
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def main() -> None:
     reports = common.run_grid("recall", args, base, s["lrs"], s["seeds"], slices, s["eval_batches"])
     header = ["arch", *(f"acc {t}/{p}" for t, p in s["test"]), "seq acc",
               *(f"softmax share {t}/{p}" for t, p in s["test"]),
-              "informative -> softmax", "filler -> softmax", *common.COST_HEADER]
+              "informative -> softmax", "query -> softmax", "filler -> softmax",
+              *common.COST_HEADER]
     rows = []
     for arch, runs in common.best_per_seed(reports).items():
         accs = [common.mean_std([r["slices"][i]["accuracy"] for r in runs])
@@ -74,12 +76,14 @@ def main() -> None:
         shares = [common.mean_std([_share(r["slices"][i]) for r in runs])
                   for i in range(len(s["test"]))]
         if all(routing):
-            informative = common.mean_std([x["route_informative"] for x in routing])
-            filler = common.mean_std([x["route_filler"] for x in routing])
+            informative, query, filler = (  # no query rate where every question is in
+                common.mean_std(rates) if len(rates := [x[key] for x in routing if key in x])
+                == len(routing) else "-"  # a sequence's last chunk, which has no route
+                for key in ("route_informative", "route_query", "route_filler"))
         else:
-            informative = filler = "-"
+            informative = query = filler = "-"
         rows.append([arch, *accs, common.mean_std([x["sequence_accuracy"] for x in first]),
-                     *shares, informative, filler, *common.cost_cells(runs[0], 0)])
+                     *shares, informative, query, filler, *common.cost_cells(runs[0], 0)])
     out = args.out or Path("runs/experiments") / f"recall-{args.scale}"
     title = (f"Concentrated recall ({args.scale} scale, trained at {seq_len} tokens, "
              f"{pairs} pairs)")
@@ -88,7 +92,8 @@ def main() -> None:
                         f"a sequence right ({s['test'][0][0]}/{s['test'][0][1]}). Softmax "
                         "share: of the routable chunks (all but each sequence's last) sent to "
                         "softmax, NAtS-L rows; the softmax fraction of tokens otherwise. "
-                        "Informative chunks hold a queried key-value pair. Mean ± std over "
+                        "Informative chunks hold a queried key-value pair, query chunks a "
+                        "question and no pair, filler chunks neither. Mean ± std over "
                         f"seeds ({len(s['seeds'])}); cost from nats/cost_model.py."])
 
 

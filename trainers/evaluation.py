@@ -95,47 +95,64 @@ def informative_chunks(relevant: torch.Tensor, chunk_size: int) -> torch.Tensor:
     return padded.view(b, n, chunk_size).any(-1)
 
 
+def question_positions(labels: torch.Tensor) -> torch.Tensor:
+    """Bool ``[B, T]``: the positions of a synthetic task's questions: each labelled token
+    and the token before it, from which it is predicted (an MQAR query's key and value)."""
+    asked = labels != IGNORE_INDEX
+    asked[:, :-1] |= asked[:, 1:].clone()
+    return asked
+
+
 class RoutingPrecision:
     """How often routable chunks (all but a sequence's last) go to softmax, apart for the
-    chunks that hold what the queries ask (informative) and for the rest (filler), summed
-    over heads and batches per NAtS-L layer.
+    chunks that hold what the queries ask (informative), the chunks that hold the questions
+    and nothing informative (query), and the rest (filler), summed over heads and batches
+    per NAtS-L layer.
 
     ``route_lift = informative rate / filler rate`` is the picture of a router that learned
     content: 1 for a content-blind router, large when the few chunks that matter are the
-    ones kept in the KV cache.
+    ones kept in the KV cache. Query chunks are neither: counted as filler they made a
+    layer that sent every question and no noise to softmax look like one that sends noise
+    there (docs/RESULTS.md, "Query chunks are not filler").
     """
+
+    KINDS = ("informative", "query", "filler")
 
     def __init__(self) -> None:
         self.counts: dict[int, torch.Tensor] = {}
-        """Layer -> [informative softmax, informative, filler softmax, filler] decisions."""
+        """Layer -> ``[kind, (softmax decisions, decisions)]`` over :attr:`KINDS`."""
 
     def add(self, routes: list[torch.Tensor | None], relevant: torch.Tensor,
-            chunk_size: int) -> None:
-        info = informative_chunks(relevant, chunk_size)[:, :-1]  # the last chunk: no route
+            asked: torch.Tensor, chunk_size: int) -> None:
+        """Count one batch: ``relevant`` and ``asked`` (:func:`question_positions`) are
+        bool ``[B, T]``."""
+        info = informative_chunks(relevant, chunk_size)[:, :-1].cpu()  # last: no route
+        query = informative_chunks(asked, chunk_size)[:, :-1].cpu() & ~info
+        kinds = (info, query, ~info & ~query)
         for i, r in enumerate(routes):
             if r is None or r.shape[1] < 2:
                 continue
             sm = (r[:, :-1, :, SOFTMAX].detach() > 0.5).cpu()  # [B, N - 1, H]
-            mask = info.cpu()[..., None].expand_as(sm)
-            row = torch.tensor([(sm & mask).sum(), mask.sum(), (sm & ~mask).sum(),
-                                (~mask).sum()], dtype=torch.float64)
-            self.counts[i] = self.counts.get(i, torch.zeros(4, dtype=torch.float64)) + row
+            row = torch.tensor([[(sm & m[..., None]).sum(), m.sum() * sm.shape[-1]]
+                                for m in kinds], dtype=torch.float64)
+            self.counts[i] = self.counts.get(i, torch.zeros(3, 2, dtype=torch.float64)) + row
 
     def metrics(self) -> dict[str, float]:
-        """``eval/route_informative``, ``eval/route_filler`` and ``eval/route_lift``, per
-        layer (``.../layer{i}``) and over all layers' decisions."""
+        """``eval/route_informative``, ``eval/route_query``, ``eval/route_filler`` and
+        ``eval/route_lift``, per layer (``.../layer{i}``) and over all layers' decisions."""
         out: dict[str, float] = {}
         if not self.counts:
             return out
         for name, c in [*((f"/layer{i}", c) for i, c in self.counts.items()),
                         ("", sum(self.counts.values()))]:
-            if c[1] == 0 or c[3] == 0:
+            if c[0, 1] == 0 or c[2, 1] == 0:
                 continue  # no informative (or no filler) chunk was seen
-            informative, filler = float(c[0] / c[1]), float(c[2] / c[3])
-            out[f"eval/route_informative{name}"] = informative
-            out[f"eval/route_filler{name}"] = filler
-            if filler > 0:
-                out[f"eval/route_lift{name}"] = informative / filler
+            rates = {k: float(c[j, 0] / c[j, 1]) for j, k in enumerate(self.KINDS)
+                     if c[j, 1] > 0}
+            for k, v in rates.items():
+                out[f"eval/route_{k}{name}"] = v
+            if rates["filler"] > 0:
+                out[f"eval/route_lift{name}"] = rates["informative"] / rates["filler"]
         return out
 
 
@@ -182,7 +199,8 @@ def evaluate(model: NatsForCausalLM, batches: list[Batch], device: torch.device,
                      **route_frac_scalars("eval", out.routable_frac)}.items():
             frac_sums[k] = frac_sums.get(k, 0.0) + v
         if relevant is not None and model.nats_layers:
-            precision.add(out.routes, relevant(input_ids, labels), model.config.chunk_size)
+            precision.add(out.routes, relevant(input_ids, labels), question_positions(labels),
+                          model.config.chunk_size)
         if i == 0:
             routes = [r.detach() if r is not None else None for r in out.routes]
             probs = [[] for _ in out.probs]

@@ -11,8 +11,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from nats import NatsConfig, NatsForCausalLM
 from nats.kernels import SOFTMAX
+from nats.model import IGNORE_INDEX
 from nats.trainers import train
-from nats.trainers.evaluation import RoutingPrecision, informative_chunks
+from nats.trainers.evaluation import RoutingPrecision, informative_chunks, question_positions
 from nats.trainers.optim import build_optimizer, set_lr
 from nats.trainers.route_control import (
     budget_target,
@@ -91,18 +92,32 @@ def test_routing_precision_counts_by_hand() -> None:
                                                          [False, False, True, True]]
     mask = torch.tensor([[0, 0, 0, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0, 1]], dtype=torch.bool)
     assert informative_chunks(mask, 3).tolist() == [[False, True, False], [True, False, True]]
-    sm = torch.tensor([[[1, 0], [1, 1], [0, 0], [1, 1]],   # [B, N, H]: 1 = softmax
+    labels = torch.full((2, 64), IGNORE_INDEX)
+    labels[0, 32] = labels[1, 45] = 7  # asks from 31 (chunk 1, informative) and 32 (chunk 2)
+    asked = question_positions(labels)  # row 1: chunk 2 holds a question and a pair
+    assert asked.nonzero().tolist() == [[0, 31], [0, 32], [1, 44], [1, 45]]
+    sm = torch.tensor([[[1, 0], [1, 1], [0, 1], [1, 1]],   # [B, N, H]: 1 = softmax
                        [[0, 0], [0, 0], [1, 0], [0, 0]]])
     routes = torch.stack([sm, 1 - sm], -1).float()
     precision = RoutingPrecision()
-    precision.add([routes, None], relevant, 16)
+    precision.add([routes, None], relevant, asked, 16)
     m = precision.metrics()
-    # Routable: chunks 0-2. Informative decisions: (row 0, chunk 1) x 2 heads, (row 1,
-    # chunk 2) x 2 heads -> 3 of 4 softmax. Filler: 8 decisions, 1 softmax.
+    # Routable: chunks 0-2. Informative: (row 0, chunk 1), (row 1, chunk 2), 2 heads each
+    # -> 3 of 4 softmax. Query: (row 0, chunk 2) -> 1 of 2. Filler: row 0 chunk 0 and row 1
+    # chunks 0, 1 -> 1 of 6.
     assert m["eval/route_informative"] == pytest.approx(0.75)
-    assert m["eval/route_filler"] == pytest.approx(1 / 8)
-    assert m["eval/route_lift"] == pytest.approx(6.0)
-    assert m["eval/route_lift/layer0"] == pytest.approx(6.0)
+    assert m["eval/route_query"] == pytest.approx(0.5)
+    assert m["eval/route_filler"] == pytest.approx(1 / 6)
+    assert m["eval/route_lift"] == pytest.approx(4.5)
+    assert m["eval/route_lift/layer0"] == pytest.approx(4.5)
+    never = RoutingPrecision()  # only the pairs to softmax: a filler rate of 0, no lift
+    pairs = informative_chunks(relevant, 16).long()[..., None].expand(-1, -1, 2)
+    never.add([torch.stack([pairs, 1 - pairs], -1).float()], relevant, asked, 16)
+    assert never.metrics()["eval/route_informative"] == 1.0
+    assert never.metrics()["eval/route_query"] == 0.0
+    assert never.metrics()["eval/route_filler"] == 0.0
+    assert "eval/route_lift" not in never.metrics()
+    assert RoutingPrecision().metrics() == {}
 
 
 def test_config_records_the_recipe(micro: MicroConfig) -> None:
