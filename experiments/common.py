@@ -21,7 +21,6 @@ import json
 import multiprocessing
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
@@ -253,40 +252,20 @@ def _worker_setup(threads: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-class _GridStop:
-    """While open, the first SIGTERM or SIGINT to this process stops the grid starting runs;
-    SIGTERM is also passed on to the worker processes (Ctrl-C in a terminal reaches them
-    itself), so each run finishes its step and saves a checkpoint. Without it the workers,
-    untouched by their parent's death, trained on unseen and kept their run folders locked
-    against the command that would resume them. A second signal stops at once."""
+class _GridStop(loop.StopRequest):
+    """While installed, the first SIGTERM or SIGINT to this process stops the grid starting
+    runs; SIGTERM is also passed on to the worker processes (Ctrl-C in a terminal reaches
+    them itself), so each run finishes its step and saves a checkpoint. Without it the
+    workers, untouched by their parent's death, trained on unseen and kept their run
+    folders locked against the command that would resume them."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.requested = False
+    MESSAGE = "no new runs start; the runs in flight save a checkpoint"
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self.requested = True
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        tqdm.write(f"{signal.Signals(signum).name}: no new runs start; the runs in flight "
-                   "save a checkpoint (send it again to stop now)")
+        super()._handle(signum, frame)
         if signum == signal.SIGTERM:
             for child in multiprocessing.active_children():
                 os.kill(child.pid, signal.SIGTERM)
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[_GridStop]:
-        """Signals can only be caught on the main thread; elsewhere nothing is installed."""
-        if threading.current_thread() is not threading.main_thread():
-            yield self
-            return
-        previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-        try:
-            yield self
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
 
 
 def _executor(jobs: int) -> Executor:

@@ -70,11 +70,12 @@ class TrainResult:
     """The newest checkpoint on disk when the call returned."""
 
 
-class _StopRequest:
+class StopRequest:
     """Set by the first SIGINT (Ctrl-C) or SIGTERM (what ``kill`` and job schedulers send);
     the loop checks it between steps, saves a checkpoint and returns."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    MESSAGE = "stopping after this step and saving a checkpoint"
 
     def __init__(self) -> None:
         self.requested = False
@@ -85,11 +86,10 @@ class _StopRequest:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         name = signal.Signals(signum).name
-        tqdm.write(f"nats: {name}: stopping after this step and saving a checkpoint (send it "
-                   "again to stop now)")
+        tqdm.write(f"nats: {name}: {self.MESSAGE} (send it again to stop now)")
 
     @contextlib.contextmanager
-    def installed(self) -> Iterator[_StopRequest]:
+    def installed(self) -> Iterator[StopRequest]:
         """Catch the signals while training; signals can only be caught on the main
         thread."""
         if threading.current_thread() is not threading.main_thread():
@@ -230,7 +230,7 @@ def _hold_folder(config: TrainConfig, world: World, device: torch.device,
                          "could not lock it)")
 
 
-def _stop_agreed(stop: _StopRequest, world: World, device: torch.device) -> bool:
+def _stop_agreed(stop: StopRequest, world: World, device: torch.device) -> bool:
     """Whether any rank was asked to stop: SIGTERM reaches ranks at different moments, and
     a rank that left alone would leave the others waiting in the next all-reduce."""
     if world.size == 1:
@@ -322,7 +322,7 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
     eval_metrics: dict[str, float] = {}
     checkpoint = latest_checkpoint(out_dir)
     saved_step = step if checkpoint is not None else -1
-    stop = _StopRequest()
+    stop = StopRequest()
     started, first_step = time.perf_counter(), step
     tokens_per_step = config.batch_size * config.seq_len
     model.train()
