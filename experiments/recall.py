@@ -75,13 +75,8 @@ def main() -> None:
         routing = [x.get("routing") for x in first]
         shares = [common.mean_std([_share(r["slices"][i]) for r in runs])
                   for i in range(len(s["test"]))]
-        if all(routing):
-            informative, query, filler = (  # no query rate where every question is in
-                common.mean_std(rates) if len(rates := [x[key] for x in routing if key in x])
-                == len(routing) else "-"  # a sequence's last chunk, which has no route
-                for key in ("route_informative", "route_query", "route_filler"))
-        else:
-            informative = query = filler = "-"
+        informative, query, filler = (_rate(routing, key) for key in
+                                      ("route_informative", "route_query", "route_filler"))
         rows.append([arch, *accs, common.mean_std([x["sequence_accuracy"] for x in first]),
                      *shares, informative, query, filler, *common.cost_cells(runs[0], 0)])
     out = args.out or Path("runs/experiments") / f"recall-{args.scale}"
@@ -95,6 +90,14 @@ def main() -> None:
                         "Informative chunks hold a queried key-value pair, query chunks a "
                         "question and no pair, filler chunks neither. Mean ± std over "
                         f"seeds ({len(s['seeds'])}); cost from nats/cost_model.py."])
+
+
+def _rate(routing: list[dict | None], key: str) -> str:
+    """A routing rate's mean ± std over the seeds, or "-" where a run lacks it: a model
+    without routes, or no query rate where every question is in a sequence's last chunk,
+    which has no route."""
+    rates = [x[key] for x in routing if x and key in x]
+    return common.mean_std(rates) if len(rates) == len(routing) else "-"
 
 
 def _share(report_slice: dict) -> float:
