@@ -50,6 +50,11 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "--batches batches that evaluation does not read, one pass per "
                         "layer); the budget held in training is a share of the training "
                         "data, not of this workload")
+    p.add_argument("--calibrate-scope", choices=("layer", "model"),
+                   help="with --calibrate-budget: 'layer' (default) gives every layer "
+                        "FRACTION; 'model' gives the layers FRACTION on average, split where "
+                        "it lowers the loss on the calibration batches (a search of a few "
+                        "passes per move between two layers)")
     p.add_argument("--save-model", type=Path, metavar="DIR",
                    help="with --calibrate-budget: also save the calibrated model to DIR (a "
                         "new or empty folder)")
@@ -62,7 +67,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def eval_command(args: argparse.Namespace) -> int:
     from nats.trainers import TrainConfig, build_batches, resolve_device
-    from nats.trainers.route_control import calibrate_budget
+    from nats.trainers.route_control import calibrate_budget, split_budget
     from nats.trainers.sources import load_model
 
     from .harness import run_eval, summary_lines
@@ -74,6 +79,8 @@ def eval_command(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.calibrate_budget is not None and not 0 < args.calibrate_budget < 1:
         raise ValueError(f"--calibrate-budget must lie in (0, 1), got {args.calibrate_budget:g}")
+    if args.calibrate_scope is not None and args.calibrate_budget is None:
+        raise ValueError("--calibrate-scope says how to calibrate: give --calibrate-budget")
     if args.save_model is not None:
         if args.calibrate_budget is None:
             raise ValueError("--save-model saves a calibrated model: give --calibrate-budget")
@@ -97,21 +104,25 @@ def eval_command(args: argparse.Namespace) -> int:
         print(f"nats: warning: the task {loaded.origin} was trained on is unknown; evaluating "
               "on 'mqar' (choose with --task)", file=sys.stderr)
     if args.calibrate_budget is not None:
+        batches = [(ids.to(device), labels.to(device))
+                   for ids, labels in build_batches(slices[0]).calibration(args.batches)]
         try:
-            layers = calibrate_budget(loaded.model, [
-                ids.to(device) for ids, _ in build_batches(slices[0]).calibration(args.batches)],
-                args.calibrate_budget)
+            layers = (split_budget(loaded.model, batches, args.calibrate_budget)
+                      if args.calibrate_scope == "model" else
+                      calibrate_budget(loaded.model, [ids for ids, _ in batches],
+                                       args.calibrate_budget))
         except ValueError as error:  # what the model or the slice cannot calibrate
             raise ValueError(f"--calibrate-budget: {error}") from None
-        print(f"nats: calibrated the routing biases to {args.calibrate_budget:g} on "
-              f"{slice_name(slices[0])}: " + ", ".join(
-                  f"layer {c.layer} bias {c.bias:.3f} share {c.share:.3f}" for c in layers))
-        if any(abs(c.share - args.calibrate_budget) > 0.05 for c in layers):
+        where = (f"{args.calibrate_budget:g}"
+                 f"{' on average over the layers' if args.calibrate_scope == 'model' else ''}"
+                 f" on {slice_name(slices[0])}")
+        print(f"nats: calibrated the routing biases to {where}: " + ", ".join(
+            f"layer {c.layer} bias {c.bias:.3f} share {c.share:.3f}" for c in layers))
+        if any(abs(c.share - c.target) > 0.05 for c in layers):
             print("nats: warning: tied routing scores (an untrained scorer?) keep a layer's "
                   "share away from the target", file=sys.stderr)
-        loaded = dataclasses.replace(loaded, origin=(
-            f"{loaded.origin}, routing biases calibrated to {args.calibrate_budget:g} on "
-            f"{slice_name(slices[0])}"))
+        loaded = dataclasses.replace(
+            loaded, origin=f"{loaded.origin}, routing biases calibrated to {where}")
         if args.save_model is not None:
             loaded.model.save_pretrained(args.save_model)
             print(f"nats: saved the calibrated model to {args.save_model}")

@@ -14,8 +14,10 @@ from typing import Any
 import torch
 
 from nats import NatsForCausalLM
+from nats.model import next_token_cross_entropy
 
 from .config import TrainConfig
+from .evaluation import labelled_token_count
 
 
 def exploration_noise(step: int, config: TrainConfig) -> float:
@@ -66,40 +68,111 @@ def update_budget(model: NatsForCausalLM, routable_frac: list[torch.Tensor | Non
 
 @dataclass(frozen=True)
 class Calibration:
-    """One layer's calibrated routing bias and the share it routes on the calibration
-    batches (off the target only where scores tie, as an untrained scorer's do)."""
+    """One layer's calibrated routing bias, the share it was asked for and the share it
+    routes on the calibration batches (off the target only where scores tie, as an
+    untrained scorer's do)."""
 
     layer: int
     bias: float
+    target: float
     share: float
 
 
 @torch.no_grad()
 def calibrate_budget(model: NatsForCausalLM, batches: Sequence[torch.Tensor],
-                     target: float) -> list[Calibration]:
+                     target: float | Sequence[float]) -> list[Calibration]:
     """Set every budgeted NAtS-L layer's routing bias so that it sends ``target`` of the
-    routable chunks of ``batches`` (input ids) to softmax.
+    routable chunks of ``batches`` (input ids) to softmax: one fraction in (0, 1) for every
+    layer, or one fraction in [0, 1] per layer, first to last.
 
     The budget's controller holds the share on the training batches; data with other
     content routes another share (a recall model trained on a mixture of 8-32 pairs routed
     0.32 at 32 pairs under a 0.25 budget: docs/RESULTS.md). Calibrating on the workload
     makes the cost paid there the cost asked for. Layers are calibrated first to last (one
     pass over ``batches`` each), as a layer's routes change what the next one sees; each
-    layer gets ``target`` (also under ``budget_scope="model"``, whose mean it then is).
+    layer gets ``target`` (also under ``budget_scope="model"``, whose mean it then is; see
+    :func:`split_budget` for a model-wide share split unevenly).
     """
-    if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target < 1:
-        raise ValueError(f"the calibration target must be a fraction in (0, 1), got {target!r}")
+    layers = _calibration_layers(model, batches)
+    if isinstance(target, Sequence):
+        if len(target) != len(layers):
+            raise ValueError(f"{len(target)} calibration targets for {len(layers)} budgeted "
+                             "NAtS-L layers")
+        for t in target:
+            _check_fraction(t, closed=True)
+        targets = [float(t) for t in target]
+    else:
+        _check_fraction(target, closed=False)
+        targets = [float(target)] * len(layers)
+    return _calibrate(model, layers, batches, targets)
+
+
+@torch.no_grad()
+def split_budget(model: NatsForCausalLM, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 target: float, levels: int = 2) -> list[Calibration]:
+    """Calibrate the routing biases so that the layers' shares average ``target``, split
+    among the layers where it lowers the loss on ``batches`` (input ids, labels).
+
+    A softmax route is not worth the same in every layer: in the 2-layer recall models of
+    docs/RESULTS.md ("Where the budget goes") the first layer's keep the pairs and the
+    second's can all go to linear at no cost, so an even split pays for routes that buy
+    nothing. Greedy: from every layer at ``target``, move a step of share from one layer to
+    another while some move lowers the loss, the best move first; then halve the step,
+    ``levels`` step sizes in all, from ``target / 2``. Each move tried costs a calibration
+    and a loss pass over ``batches``. The split is a local optimum of the loss on these
+    batches, never worse than the even split.
+    """
+    _check_fraction(target, closed=False)
+    if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
+        raise ValueError(f"levels must be an integer >= 1, got {levels!r}")
+    ids = [x for x, _ in batches]
+    layers = _calibration_layers(model, ids)
+    shares = [float(target)] * len(layers)
+    best = _calibrated_loss(model, layers, batches, shares)
+    step = target / 2
+    for _ in range(levels):
+        while True:
+            moves = [(i, j) for i in range(len(shares)) for j in range(len(shares))
+                     if i != j and shares[i] - step >= 0 and shares[j] + step <= 1]
+            tried = []
+            for i, j in moves:
+                candidate = list(shares)
+                candidate[i] -= step
+                candidate[j] += step
+                tried.append((_calibrated_loss(model, layers, batches, candidate), candidate))
+            if not tried or min(tried)[0] >= best:
+                break
+            best, shares = min(tried)
+        step /= 2
+    return _calibrate(model, layers, ids, shares)
+
+
+def _check_fraction(value: Any, closed: bool) -> None:
+    interval = "[0, 1]" if closed else "(0, 1)"
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not (0 <= value <= 1 if closed else 0 < value < 1)):
+        raise ValueError(f"the calibration target must be a fraction in {interval}, got "
+                         f"{value!r}")
+
+
+def _calibration_layers(model: NatsForCausalLM, batches: Sequence[Any],
+                        ) -> list[tuple[int, torch.nn.Module]]:
     if not batches:
         raise ValueError("no calibration batches")
     layers = budgeted_layers(model)
     if not layers:
         raise ValueError("the model has no NAtS-L layer under a softmax budget "
                          "(softmax_target) to calibrate")
+    return layers
+
+
+def _calibrate(model: NatsForCausalLM, layers: list[tuple[int, torch.nn.Module]],
+               batches: Sequence[torch.Tensor], targets: list[float]) -> list[Calibration]:
     was_training = model.training
     model.eval()
     out = []
     try:
-        for index, layer in layers:
+        for (index, layer), target in zip(layers, targets, strict=True):
             old_bias = float(layer.budget.route_bias)
             layer.budget.route_bias.zero_()  # the hook then sees z itself
             try:
@@ -113,10 +186,29 @@ def calibrate_budget(model: NatsForCausalLM, batches: Sequence[torch.Tensor],
             bias = _threshold(z, target)
             layer.budget.route_bias.fill_(bias)
             # The route is the argmax of [z + bias, 0]: a tie goes to softmax (index 0).
-            out.append(Calibration(index, bias, float((z + bias >= 0).float().mean())))
+            out.append(Calibration(index, bias, target, float((z + bias >= 0).float().mean())))
     finally:
         model.train(was_training)
     return out
+
+
+@torch.no_grad()
+def _calibrated_loss(model: NatsForCausalLM, layers: list[tuple[int, torch.nn.Module]],
+                     batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                     shares: list[float]) -> float:
+    """Mean next-token loss over the labelled tokens of ``batches`` with the layers
+    calibrated to ``shares`` (on the same batches' input ids)."""
+    _calibrate(model, layers, [x for x, _ in batches], shares)
+    was_training = model.training
+    model.eval()
+    try:
+        total = count = 0.0
+        for x, y in batches:
+            total += float(next_token_cross_entropy(model(x).logits, y, reduction="sum"))
+            count += labelled_token_count(y)
+    finally:
+        model.train(was_training)
+    return total / max(count, 1)
 
 
 def _threshold(z: torch.Tensor, target: float) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -151,6 +152,26 @@ def test_cli_calibrates_the_budget_and_saves_the_model(tmp_path: Path, capsys) -
     assert "--calibrate-budget: the model has no NAtS-L layer" in capsys.readouterr().err
     assert main([*argv, "--calibrate-budget", "1"]) == 2
     assert "--calibrate-budget must lie in (0, 1), got 1" in capsys.readouterr().err
+
+
+def test_cli_splits_a_model_wide_budget_among_the_layers(tmp_path: Path, capsys) -> None:
+    model = NatsForCausalLM(_model(("nats", "nats")).config.replace(softmax_target=0.25))
+    for layer in model.nats_layers:
+        torch.nn.init.normal_(layer.scorer.proj.weight)
+    model.save_pretrained(tmp_path / "m")
+    out = tmp_path / "r.json"
+    argv = ["eval", str(tmp_path / "m"), "--task", "mqar", "--seq-len", "128", "--pairs", "8",
+            "--batches", "2", "--batch-size", "8", "--device", "cpu", "--out", str(out),
+            "--calibrate-budget", "0.25"]
+    assert main([*argv, "--calibrate-scope", "model"]) == 0
+    printed = capsys.readouterr().out
+    assert "biases to 0.25 on average over the layers on mqar seq_len=128" in printed
+    shares = [float(x) for x in re.findall(r"share (\d\.\d+)", printed)]
+    assert len(shares) == 2 and sum(shares) / 2 == pytest.approx(0.25, abs=0.01)
+    report = json.loads(out.read_text())
+    assert "on average over the layers" in report["source"]
+    assert main([*argv[:-2], "--calibrate-scope", "model"]) == 2
+    assert "--calibrate-scope says how to calibrate" in capsys.readouterr().err
 
 
 def test_an_unknown_training_task_is_said(tmp_path: Path, capsys) -> None:

@@ -11,7 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from nats import NatsConfig, NatsForCausalLM
 from nats.kernels import SOFTMAX
-from nats.model import IGNORE_INDEX
+from nats.model import IGNORE_INDEX, next_token_cross_entropy
 from nats.trainers import train
 from nats.trainers.evaluation import RoutingPrecision, informative_chunks, question_positions
 from nats.trainers.optim import build_optimizer, set_lr
@@ -19,6 +19,7 @@ from nats.trainers.route_control import (
     budget_target,
     calibrate_budget,
     exploration_noise,
+    split_budget,
     update_budget,
 )
 
@@ -183,8 +184,72 @@ def test_calibration_skips_unrouted_layers_and_reports_ties_as_routed() -> None:
     assert shares == _routed_share(tied, _ids(3)) and set(shares) <= {0.0, 1.0}
 
 
+def test_calibration_gives_each_layer_its_own_target() -> None:
+    model = _scored_model(layers=("nats", "nats", "nats"))
+    layers = calibrate_budget(model, _ids(1), [0.1, 0.0, 0.7])
+    assert [c.target for c in layers] == [0.1, 0.0, 0.7]
+    assert [c.share for c in layers] == pytest.approx([0.1, 0.0, 0.7], abs=1 / 576)
+    assert _routed_share(model, _ids(1)) == pytest.approx([c.share for c in layers])
+    assert [c.share for c in calibrate_budget(model, _ids(1), [1, 1, 0.5])] == pytest.approx(
+        [1.0, 1.0, 0.5], abs=1 / 576)
+
+
+def _labelled(seed: int, batches: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for ids in _ids(seed, batches):
+        labels = torch.randint(0, 64, ids.shape, generator=g)
+        labels[torch.rand(ids.shape, generator=g) < 0.5] = IGNORE_INDEX
+        out.append((ids, labels))
+    return out
+
+
+def _loss_at(model: NatsForCausalLM, batches: list[tuple[torch.Tensor, torch.Tensor]],
+             shares: list[float]) -> float:
+    """The reference: per-layer calibration, then the mean loss over labelled tokens."""
+    calibrate_budget(model, [x for x, _ in batches], shares)
+    with torch.no_grad():
+        total = sum(float(next_token_cross_entropy(model(x).logits, y, reduction="sum"))
+                    for x, y in batches)
+    return total / sum(int((y[:, 1:] != IGNORE_INDEX).sum()) for _, y in batches)
+
+
+def test_split_budget_finds_a_split_no_move_improves() -> None:
+    model, batches = _scored_model(), _labelled(4)
+    layers = split_budget(model, batches, 0.25, levels=2)  # steps 0.125, then 0.0625
+    shares = [c.target for c in layers]
+    assert sum(shares) / 2 == pytest.approx(0.25)
+    assert all(round(s / 0.0625, 9).is_integer() for s in shares)  # on the finest grid
+    assert [c.share for c in layers] == pytest.approx(shares, abs=1 / 576)
+    biases = [c.bias for c in layers]
+    assert biases == [float(x.budget.route_bias) for x in model.nats_layers]
+    found = _loss_at(model, batches, shares)
+    assert found <= _loss_at(model, batches, [0.25, 0.25])
+    for move in (0.0625, -0.0625):  # neither neighbour on the finest step is better
+        if 0 <= shares[0] + move <= 0.5:
+            assert found <= _loss_at(model, batches, [shares[0] + move, shares[1] - move])
+    # The whole grid of splits: the search is not a no-op on this model.
+    grid = {a: _loss_at(model, batches, [a, 0.5 - a]) for a in (0, 0.0625, 0.125, 0.1875,
+                                                                 0.25, 0.3125, 0.375, 0.4375,
+                                                                 0.5)}
+    assert len(set(grid.values())) > 1 and found == grid[shares[0]]
+
+
+def test_split_budget_refuses_what_it_cannot_do() -> None:
+    model = _scored_model()
+    with pytest.raises(ValueError, match=r"a fraction in \(0, 1\)"):
+        split_budget(model, _labelled(0, 1), 0.0)
+    with pytest.raises(ValueError, match="levels must be"):
+        split_budget(model, _labelled(0, 1), 0.3, levels=0)
+    with pytest.raises(ValueError, match="no calibration batches"):
+        split_budget(model, [], 0.3)
+
+
 @pytest.mark.parametrize(("target", "batches", "message"), [
-    (0.0, None, r"a fraction in \(0, 1\)"), (1.5, None, "a fraction"), (True, None, "a fraction"),
+    (0.0, None, r"a fraction in \(0, 1\)"),
+    ([0.3], None, "1 calibration targets for 2 budgeted"),
+    ([0.3, 1.5], None, r"a fraction in \[0, 1\]"), (1.5, None, "a fraction"),
+    (True, None, "a fraction"),
     (0.3, [torch.zeros(2, 16, dtype=torch.long)], "no sequence of more than one chunk"),
     (0.3, [], "no calibration batches"),
 ])
