@@ -171,9 +171,10 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         quality = (f"bpb {s['bits_per_byte']:.3f}" if "bits_per_byte" in s
                    else f"acc {s['accuracy']:.3f} seq_acc {s['sequence_accuracy']:.3f}")
         routing = s.get("routing", {})
+        query = (f" (query chunks {routing['route_query']:.2f})" if "route_query" in routing
+                 else "")  # a slice whose questions share every chunk with a pair has none
         precision = (f", informative chunks to softmax {routing['route_informative']:.2f} vs "
-                     f"filler {routing['route_filler']:.2f} (query chunks "
-                     f"{routing.get('route_query', float('nan')):.2f})" if routing else "")
+                     f"filler {routing['route_filler']:.2f}{query}" if routing else "")
         lines.append(f"  {s['name']}: {quality}, softmax fraction {s['softmax_fraction']:.3f}"
                      f"{precision}, {s['tokens_per_second']:,.0f} tok/s ({s['length']})")
     for p in report["prefill"]:

@@ -13,6 +13,7 @@ import torch
 from nats import NatsConfig, NatsForCausalLM
 from nats.cli import main
 from nats.evaluation import run_eval, slice_configs
+from nats.evaluation.harness import summary_lines
 from nats.softmax_fraction import measure_softmax_fraction
 from nats.trainers import MQARTask, TrainConfig
 from nats.trainers.data import stream_generator
@@ -234,3 +235,16 @@ def test_slices_of_a_mixture_trained_run_are_fixed_tasks() -> None:
     config = _run_config(_model()).replace(seq_len=64, mqar_pairs_mix=(4, 8))
     (s,) = slice_configs(config, "mqar", [16], pairs=[2])
     assert (s.seq_len, s.mqar_pairs, s.mqar_pairs_mix) == (16, 2, ())
+
+
+def test_summary_names_the_query_chunks_only_where_a_slice_has_them() -> None:
+    routing = {"route_informative": 0.9, "route_filler": 0.05, "route_lift": 18.0}
+    base = {"name": "s", "accuracy": 1.0, "sequence_accuracy": 1.0, "softmax_fraction": 0.25,
+            "tokens_per_second": 10.0, "length": "training length"}
+    report = {"source": "m", "device_name": "cpu", "prefill": [],
+              "slices": [{**base, "routing": routing},
+                         {**base, "routing": {**routing, "route_query": 0.5}}]}
+    without, with_query = summary_lines(report)[1:]
+    assert "informative chunks to softmax 0.90 vs filler 0.05," in without
+    assert "query" not in without and "nan" not in without
+    assert "filler 0.05 (query chunks 0.50)," in with_query
