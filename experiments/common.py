@@ -77,7 +77,8 @@ def parse_args(description: str, scales: dict[str, dict[str, Any]],
     p.add_argument("--set", dest="settings", nargs="+", type=_setting, default=[],
                    metavar="FIELD=VALUE",
                    help="a TrainConfig or NatsConfig field of every run, the value as JSON "
-                        "(budget_anneal=0.5, branch_norm=\"linear\"); use a fresh --out")
+                        "(budget_anneal=0.5, branch_norm=\"linear\", layer_types=[\"nats\", "
+                        "\"linear\"]: over the row's architecture); use a fresh --out")
     p.add_argument("--seeds", nargs="+", type=int, default=None,
                    help="seeds to train (default: the scale's)")
     p.add_argument("--lrs", nargs="+", type=float, default=None,
@@ -147,10 +148,10 @@ class Budget:
 def train_and_eval(config: TrainConfig, arch: str, slices: Sequence[TrainConfig],
                    eval_batches: int, device: torch.device, out: Path,
                    console: Path | None = None) -> dict[str, Any]:
-    """Train ``config`` with ``arch``'s mixers, then evaluate it on ``slices`` and write the
-    report to ``out`` (no prefill: :func:`add_prefill` times it alone). With ``console``,
-    the run's terminal output goes to that file (progress bars of parallel runs would
-    overwrite each other).
+    """Train ``config`` (whose mixers are grid row ``arch``'s: :func:`with_row`), then
+    evaluate it on ``slices`` and write the report to ``out`` (no prefill:
+    :func:`add_prefill` times it alone). With ``console``, the run's terminal output goes
+    to that file (progress bars of parallel runs would overwrite each other).
 
     A run folder left by an interrupted call is resumed from its newest checkpoint (the
     training time then counts this call's part only). A run interrupted now (Ctrl-C: the
@@ -158,7 +159,7 @@ def train_and_eval(config: TrainConfig, arch: str, slices: Sequence[TrainConfig]
     instead of reading back a half-trained model.
     """
     with _console_to(console), routes_forced(arch.partition(":")[2]):
-        config = with_row(config, arch).replace(device=str(device))
+        config = config.replace(device=str(device))
         started = time.monotonic()
         result = train(config, resume=True)
         train_seconds = time.monotonic() - started
@@ -331,8 +332,8 @@ def run_grid(name: str, args: argparse.Namespace, base: TrainConfig, lrs: Sequen
                 skipped.append(tag)
                 bar.update(1)
                 continue
-            run = base.replace(lr=lr, seed=seed, out_dir=str(out / "runs" / tag))
-            run = with_settings(run, dict(args.settings))
+            run = with_row(base.replace(lr=lr, seed=seed, out_dir=str(out / "runs" / tag)), arch)
+            run = with_settings(run, dict(args.settings))  # after the row: --set has the word
             console = _console_log(out, tag) if args.jobs > 1 else None
             running[pool.submit(train_and_eval, run, arch, slices, eval_batches, device, done,
                                 console)] = tag

@@ -248,3 +248,14 @@ def test_parallel_gpu_grid_times_prefill_afterwards(tmp_path: Path) -> None:
         (prefill,) = _json(tmp_path / f"{arch}-lr{GOOD_LR:g}-seed0.json")["prefill"]
         assert prefill["seq_len"] == common.PREFILL_LEN and prefill["seconds"] > 0
     assert all(r["prefill"] for r in _json(tmp_path / "summary.json")["runs"])
+
+
+def test_settings_win_over_the_rows_architecture(tmp_path: Path) -> None:
+    """``--set layer_types=...`` trains that mix (a NAtS-L layer before a Gated DeltaNet one,
+    which no row names), not the row's."""
+    reports = _grid(tmp_path / "grid", jobs=1, archs=["natsl-all"], lrs=(GOOD_LR,),
+                    settings=(("layer_types", ["nats", "linear"]),))
+    saved = _json(tmp_path / "grid" / "runs" / "natsl-all-lr0.01-seed0" / "train_config.json")
+    assert saved["model"]["layer_types"] == ["nats", "linear"]
+    assert reports[0]["model"]["layer_types"] == ["nats", "linear"]
+    assert reports[0]["slices"][0]["layers"][1]["softmax_fraction"] == 0.0
