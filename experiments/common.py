@@ -145,11 +145,12 @@ class Budget:
         return time.monotonic() - self.start < 60 * self.minutes
 
 
-def train_and_eval(config: TrainConfig, arch: str, slices: Sequence[TrainConfig],
-                   eval_batches: int, device: torch.device, out: Path,
-                   console: Path | None = None) -> dict[str, Any]:
-    """Train ``config`` (whose mixers are grid row ``arch``'s: :func:`with_row`), then
-    evaluate it on ``slices`` and write the report to ``out`` (no prefill:
+def train_and_eval(config: TrainConfig, arch: str, settings: dict[str, Any],
+                   slices: Sequence[TrainConfig], eval_batches: int, device: torch.device,
+                   out: Path, console: Path | None = None) -> dict[str, Any]:
+    """Train ``config`` with grid row ``arch``'s mixers and then ``settings``
+    (:func:`with_settings`: they win over the row, so ``layer_types`` can name a mix no row
+    does), evaluate it on ``slices`` and write the report to ``out`` (no prefill:
     :func:`add_prefill` times it alone). With ``console``, the run's terminal output goes
     to that file (progress bars of parallel runs would overwrite each other).
 
@@ -159,7 +160,7 @@ def train_and_eval(config: TrainConfig, arch: str, slices: Sequence[TrainConfig]
     instead of reading back a half-trained model.
     """
     with _console_to(console), routes_forced(arch.partition(":")[2]):
-        config = config.replace(device=str(device))
+        config = with_settings(with_row(config, arch), settings).replace(device=str(device))
         started = time.monotonic()
         result = train(config, resume=True)
         train_seconds = time.monotonic() - started
@@ -292,6 +293,8 @@ def run_grid(name: str, args: argparse.Namespace, base: TrainConfig, lrs: Sequen
     device = resolve_device(args.device)
     out = args.out or Path("runs/experiments") / f"{name}-{args.scale}"
     out.mkdir(parents=True, exist_ok=True)
+    settings = dict(args.settings)
+    with_settings(base, settings)  # an unknown field fails here, before any run starts
     budget = Budget(args.max_minutes)
     cells = [(f"{arch.replace(':', '_')}-lr{lr:g}-seed{seed}", arch, lr, seed)
              for seed in seeds for arch in args.archs for lr in lrs]
@@ -332,11 +335,10 @@ def run_grid(name: str, args: argparse.Namespace, base: TrainConfig, lrs: Sequen
                 skipped.append(tag)
                 bar.update(1)
                 continue
-            run = with_row(base.replace(lr=lr, seed=seed, out_dir=str(out / "runs" / tag)), arch)
-            run = with_settings(run, dict(args.settings))  # after the row: --set has the word
+            run = base.replace(lr=lr, seed=seed, out_dir=str(out / "runs" / tag))
             console = _console_log(out, tag) if args.jobs > 1 else None
-            running[pool.submit(train_and_eval, run, arch, slices, eval_batches, device, done,
-                                console)] = tag
+            running[pool.submit(train_and_eval, run, arch, settings, slices, eval_batches,
+                                device, done, console)] = tag
         collect(wait(running).done)
     if interrupted or stop.requested:
         raise SystemExit(f"{name}: interrupted, the same command resumes: "
