@@ -44,9 +44,11 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="training length of an exported model (runs know their own)")
     p.add_argument("--prefill", type=int, nargs="+", default=[], metavar="T",
                    help="also time a batch-1 prefill of T tokens")
-    p.add_argument("--calibrate-budget", type=float, metavar="FRACTION",
+    p.add_argument("--calibrate-budget", type=float, nargs="+", metavar="FRACTION",
                    help="first set each budgeted NAtS-L layer's routing bias so that it sends "
-                        "FRACTION of the first slice's routable chunks to softmax (on "
+                        "FRACTION of the first slice's routable chunks to softmax (one in "
+                        "(0, 1) for every layer, or one in [0, 1] per layer: '1 0' keeps "
+                        "the first layer's chunks all in softmax, the second's in linear; on "
                         "--batches batches that evaluation does not read, one pass per "
                         "layer); the budget held in training is a share of the training "
                         "data, not of this workload")
@@ -77,10 +79,16 @@ def eval_command(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.calibrate_budget is not None and not 0 < args.calibrate_budget < 1:
-        raise ValueError(f"--calibrate-budget must lie in (0, 1), got {args.calibrate_budget:g}")
-    if args.calibrate_scope is not None and args.calibrate_budget is None:
+    fractions = args.calibrate_budget
+    if fractions is not None and len(fractions) == 1 and not 0 < fractions[0] < 1:
+        raise ValueError(f"--calibrate-budget must lie in (0, 1), got {fractions[0]:g}")
+    if fractions is not None and any(not 0 <= f <= 1 for f in fractions):
+        raise ValueError("--calibrate-budget: one fraction per layer must lie in [0, 1], got "
+                         + " ".join(f"{f:g}" for f in fractions))
+    if args.calibrate_scope is not None and fractions is None:
         raise ValueError("--calibrate-scope says how to calibrate: give --calibrate-budget")
+    if args.calibrate_scope == "model" and fractions is not None and len(fractions) > 1:
+        raise ValueError("--calibrate-scope model splits one fraction: give one")
     if args.save_model is not None:
         if args.calibrate_budget is None:
             raise ValueError("--save-model saves a calibrated model: give --calibrate-budget")
@@ -107,15 +115,15 @@ def eval_command(args: argparse.Namespace) -> int:
         batches = [(ids.to(device), labels.to(device))
                    for ids, labels in build_batches(slices[0]).calibration(args.batches)]
         try:
-            layers = (split_budget(loaded.model, batches, args.calibrate_budget)
+            layers = (split_budget(loaded.model, batches, fractions[0])
                       if args.calibrate_scope == "model" else
                       calibrate_budget(loaded.model, [ids for ids, _ in batches],
-                                       args.calibrate_budget))
+                                       fractions[0] if len(fractions) == 1 else fractions))
         except ValueError as error:  # what the model or the slice cannot calibrate
             raise ValueError(f"--calibrate-budget: {error}") from None
-        where = (f"{args.calibrate_budget:g}"
-                 f"{' on average over the layers' if args.calibrate_scope == 'model' else ''}"
-                 f" on {slice_name(slices[0])}")
+        scope = (" on average over the layers" if args.calibrate_scope == "model" else
+                 " per layer" if len(fractions) > 1 else "")
+        where = f"{' '.join(f'{f:g}' for f in fractions)}{scope} on {slice_name(slices[0])}"
         print(f"nats: calibrated the routing biases to {where}: " + ", ".join(
             f"layer {c.layer} bias {c.bias:.3f} share {c.share:.3f}" for c in layers))
         if any(abs(c.share - c.target) > 0.05 for c in layers):

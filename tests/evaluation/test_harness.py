@@ -173,6 +173,29 @@ def test_cli_splits_a_model_wide_budget_among_the_layers(tmp_path: Path, capsys)
     assert "on average over the layers" in report["source"]
     assert main([*argv[:-2], "--calibrate-scope", "model"]) == 2
     assert "--calibrate-scope says how to calibrate" in capsys.readouterr().err
+    assert main([*argv, "0.5", "--calibrate-scope", "model"]) == 2
+    assert "splits one fraction: give one" in capsys.readouterr().err
+
+
+def test_cli_calibrates_one_fraction_per_layer(tmp_path: Path, capsys) -> None:
+    model = NatsForCausalLM(_model(("nats", "nats")).config.replace(softmax_target=0.25))
+    for layer in model.nats_layers:
+        torch.nn.init.normal_(layer.scorer.proj.weight)
+    model.save_pretrained(tmp_path / "m")
+    out = tmp_path / "r.json"
+    argv = ["eval", str(tmp_path / "m"), "--task", "mqar", "--seq-len", "128", "--pairs", "8",
+            "--batches", "2", "--batch-size", "8", "--device", "cpu", "--out", str(out),
+            "--calibrate-budget"]
+    assert main([*argv, "1", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert "biases to 1 0 per layer on mqar seq_len=128" in printed
+    assert re.findall(r"share (\d\.\d+)", printed) == ["1.000", "0.000"]
+    routing = json.loads(out.read_text())["slices"][0]["routing"]  # other batches: exact
+    assert (routing["route_frac/layer0"], routing["route_frac/layer1"]) == (1.0, 0.0)
+    assert main([*argv, "0.2", "0.3", "0.1"]) == 2
+    assert "3 calibration targets for 2 budgeted NAtS-L layers" in capsys.readouterr().err
+    assert main([*argv, "1.5", "0"]) == 2
+    assert "one fraction per layer must lie in [0, 1], got 1.5 0" in capsys.readouterr().err
 
 
 def test_an_unknown_training_task_is_said(tmp_path: Path, capsys) -> None:
