@@ -155,15 +155,22 @@ def test_cli_calibrates_the_budget_and_saves_the_model(tmp_path: Path, capsys) -
     assert "--calibrate-budget must lie in (0, 1), got 1" in capsys.readouterr().err
 
 
-def test_cli_splits_a_model_wide_budget_among_the_layers(tmp_path: Path, capsys) -> None:
+def _ranked_budgeted_model(tmp_path: Path) -> tuple[list[str], Path]:
+    """A saved 2-layer budgeted model whose scorers rank chunks, and ``nats eval`` argv up
+    to ``--calibrate-budget``; the report path."""
     model = NatsForCausalLM(_model(("nats", "nats")).config.replace(softmax_target=0.25))
     for layer in model.nats_layers:
         torch.nn.init.normal_(layer.scorer.proj.weight)
     model.save_pretrained(tmp_path / "m")
     out = tmp_path / "r.json"
-    argv = ["eval", str(tmp_path / "m"), "--task", "mqar", "--seq-len", "128", "--pairs", "8",
-            "--batches", "2", "--batch-size", "8", "--device", "cpu", "--out", str(out),
-            "--calibrate-budget", "0.25"]
+    return ["eval", str(tmp_path / "m"), "--task", "mqar", "--seq-len", "128", "--pairs",
+            "8", "--batches", "2", "--batch-size", "8", "--device", "cpu", "--out", str(out),
+            "--calibrate-budget"], out
+
+
+def test_cli_splits_a_model_wide_budget_among_the_layers(tmp_path: Path, capsys) -> None:
+    argv, out = _ranked_budgeted_model(tmp_path)
+    argv.append("0.25")
     assert main([*argv, "--calibrate-scope", "model"]) == 0
     printed = capsys.readouterr().out
     assert "biases to 0.25 on average over the layers on mqar seq_len=128" in printed
@@ -178,14 +185,7 @@ def test_cli_splits_a_model_wide_budget_among_the_layers(tmp_path: Path, capsys)
 
 
 def test_cli_calibrates_one_fraction_per_layer(tmp_path: Path, capsys) -> None:
-    model = NatsForCausalLM(_model(("nats", "nats")).config.replace(softmax_target=0.25))
-    for layer in model.nats_layers:
-        torch.nn.init.normal_(layer.scorer.proj.weight)
-    model.save_pretrained(tmp_path / "m")
-    out = tmp_path / "r.json"
-    argv = ["eval", str(tmp_path / "m"), "--task", "mqar", "--seq-len", "128", "--pairs", "8",
-            "--batches", "2", "--batch-size", "8", "--device", "cpu", "--out", str(out),
-            "--calibrate-budget"]
+    argv, out = _ranked_budgeted_model(tmp_path)
     assert main([*argv, "1", "0"]) == 0
     printed = capsys.readouterr().out
     assert "biases to 1 0 per layer on mqar seq_len=128" in printed
