@@ -14,10 +14,9 @@ from typing import Any
 import torch
 
 from nats import NatsForCausalLM
-from nats.model import next_token_cross_entropy
 
 from .config import TrainConfig
-from .evaluation import labelled_token_count
+from .evaluation import evaluate
 
 
 def exploration_noise(step: int, config: TrainConfig) -> float:
@@ -192,23 +191,14 @@ def _calibrate(model: NatsForCausalLM, layers: list[tuple[int, torch.nn.Module]]
     return out
 
 
-@torch.no_grad()
 def _calibrated_loss(model: NatsForCausalLM, layers: list[tuple[int, torch.nn.Module]],
                      batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
                      shares: list[float]) -> float:
-    """Mean next-token loss over the labelled tokens of ``batches`` with the layers
-    calibrated to ``shares`` (on the same batches' input ids)."""
-    _calibrate(model, layers, [x for x, _ in batches], shares)
-    was_training = model.training
-    model.eval()
-    try:
-        total = count = 0.0
-        for x, y in batches:
-            total += float(next_token_cross_entropy(model(x).logits, y, reduction="sum"))
-            count += labelled_token_count(y)
-    finally:
-        model.train(was_training)
-    return total / max(count, 1)
+    """The evaluation's mean next-token loss over the labelled tokens of ``batches``
+    (``eval/ce``) with the layers calibrated to ``shares`` (on the same batches' ids)."""
+    ids = [x for x, _ in batches]
+    _calibrate(model, layers, ids, shares)
+    return evaluate(model, list(batches), ids[0].device).metrics["eval/ce"]
 
 
 def _threshold(z: torch.Tensor, target: float) -> float:
