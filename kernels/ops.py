@@ -122,7 +122,15 @@ def l2_norm(x: torch.Tensor, eps: float = 1e-6, *, backend: Backend = "auto") ->
 
 def merge_branches(a: torch.Tensor, b: torch.Tensor, weights: torch.Tensor,
                    gamma: torch.Tensor, eps: float, norm_a: bool, norm_b: bool,
-                   out_dtype: torch.dtype, *, backend: Backend = "auto") -> torch.Tensor:
-    """The NAtS-L merge of two branches; see :func:`reference.norms.merge_branches`."""
+                   out_dtype: torch.dtype, *, gamma_b: torch.Tensor | None = None,
+                   backend: Backend = "auto") -> torch.Tensor:
+    """The NAtS-L merge of two branches; see :func:`reference.norms.merge_branches`.
+
+    A weight per branch (``gamma_b``, only converted official checkpoints have one) has
+    no Triton kernel: it runs the reference, a few elementwise operations, on any device.
+    """
+    if gamma_b is not None:
+        return reference_norms.merge_branches(a, b, weights, gamma, eps, norm_a, norm_b,
+                                              out_dtype, gamma_b)
     return _norms(backend, a).merge_branches(a, b, weights, gamma, eps, norm_a, norm_b,
                                              out_dtype)

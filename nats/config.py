@@ -140,6 +140,11 @@ class NatsConfig:
     branch as far below the linear one as ``linear`` does at initialisation, while the
     gain, one parameter a head, can grow as fast as the optimizer moves it
     (docs/RESULTS.md)."""
+    branch_gamma: bool = False
+    """A separate per-channel weight for each branch in the merge (``w_LA N(o_LA) gamma +
+    w_SM N(o_SM) gamma_SM``) instead of one after the sum: the official layer's gated
+    norm (``FusedMultiInputRMSNormGated``), so that its checkpoints convert exactly
+    (``nats.official``). No Triton kernel: the merge runs the PyTorch reference."""
     mlp_ratio: float = 4.0
     """Hidden width of the MLP as a multiple of ``d_model``."""
     norm_eps: float = 1e-6
@@ -180,7 +185,7 @@ class NatsConfig:
             _fail("softmax_gain_init", gain, "null (no gain) or a positive finite number")
         if not isinstance(self.reg_lambda, (int, float)) or not 0 <= self.reg_lambda < math.inf:
             _fail("reg_lambda", self.reg_lambda, "a finite number >= 0")
-        for name in ("rope", "tie_embeddings", "scorer_norm", "scorer_detach"):
+        for name in ("rope", "tie_embeddings", "scorer_norm", "scorer_detach", "branch_gamma"):
             if not isinstance(getattr(self, name), bool):  # "false" would switch it on
                 _fail(name, getattr(self, name), "true or false")
         if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) \

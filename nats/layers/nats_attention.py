@@ -76,6 +76,11 @@ class NatsAttention(nn.Module):
             self.budget = BudgetedScores(h, cfg.softmax_target)
         self.mix = nn.Linear(h * cfg.head_dim_k, 2 * h * r, bias=False)
         self.out = GatedOutput(cfg.d_model, h * r, cfg.softmax_head_dim_v, cfg.output_gate)
+        self.softmax_gamma: nn.Parameter | None = None
+        """Under ``branch_gamma``: the softmax branch's own weight in the merge (``out.gamma``
+        is then the linear branch's)."""
+        if cfg.branch_gamma:
+            self.softmax_gamma = nn.Parameter(torch.ones(cfg.softmax_head_dim_v))
         self.softmax_scale: RunningMoments | None = None
         """Under ``branch_norm="scaled"``: the running mean square of each softmax head's
         output (``running_mean``; 1 until the first training step)."""
@@ -137,7 +142,7 @@ class NatsAttention(nn.Module):
             w = w * torch.stack([torch.ones_like(scale), scale], -1).to(w.dtype)
         y = merge_branches(o_la.reshape(*o_sm.shape), o_sm, w, self.out.gamma, cfg.norm_eps,
                            norm_a=cfg.branch_norm != "none", norm_b=cfg.branch_norm == "both",
-                           out_dtype=x.dtype, backend=cfg.backend)
+                           out_dtype=x.dtype, gamma_b=self.softmax_gamma, backend=cfg.backend)
         return self.out.project(y, x)
 
     # -- parallel form ---------------------------------------------------------------------
