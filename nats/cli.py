@@ -234,6 +234,26 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from nats.official import model_from_official, save_official
+    from nats.trainers.export import check_out_dir
+
+    out = Path(args.out)
+    check_out_dir(out, args.force)
+    if args.direction == "from-official":
+        model = model_from_official(args.source)
+        model.save_pretrained(out)
+    else:
+        model = _load(args.source, "cpu")
+        save_official(model, out)
+    kinds = ", ".join(f"{n} {k}" for k, n in
+                      sorted({k: model.config.layer_types.count(k)
+                              for k in model.config.layer_types}.items()))
+    print(f"nats: wrote {out} ({args.direction}: {model.config.n_layers} layers, {kinds}; "
+          f"{sum(p.numel() for p in model.parameters()):,} parameters)")
+    return 0
+
+
 def _analyze(args: argparse.Namespace) -> int:
     from nats.analysis.report import analyze
 
@@ -325,6 +345,21 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--force", action="store_true",
                         help="write into a non-empty --out, replacing the exported files")
     export.set_defaults(func=_export)
+
+    convert = sub.add_parser(
+        "convert", help="official NAtS-L checkpoints (automl/NeuralAttentionSearchLinear) "
+                        "to a model folder, and back")
+    convert.add_argument("direction", choices=("from-official", "to-official"),
+                         help="from-official: an official model folder (config.json, "
+                              "safetensors) to ours; to-official: ours to that layout")
+    convert.add_argument("source", metavar="SOURCE",
+                         help="the official model folder; for to-official a run folder, "
+                              "checkpoint file or model folder")
+    convert.add_argument("--out", required=True, help="folder to write (absent or empty)")
+    convert.add_argument("--force", action="store_true",
+                         help="write into a non-empty --out, replacing config.json and "
+                              "model.safetensors")
+    convert.set_defaults(func=_convert)
 
     analyze = sub.add_parser(
         "analyze", help="an HTML report of a model's routes and costs, or of a search")

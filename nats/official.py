@@ -1,0 +1,330 @@
+"""Official NAtS-L checkpoints (automl/NeuralAttentionSearchLinear) to ours, and back.
+
+The official model (``NeuralAttentionSearchLinearAttnGDNForCausalLM``, model type
+``neural_attention_search_linear_attn_gdn``; its 340M and 760M configs) is a stack of
+fla Gated DeltaNet layers (``gdn_layers``) and NAtS-L layers. Every tensor has a place
+here: most are renamed, q/k/v projections and their short convolutions are concatenated
+into one projection and one convolution, the MLP's gate and up projections into one, and
+the NAtS-L layer's gated output norm, which has one weight per branch, needs
+``NatsConfig.branch_gamma``. What the official config can switch and this layer cannot
+compute is refused by name (:data:`UNSUPPORTED`), not converted approximately.
+
+The route decisions need no mapping: both scorers emit ``(head, option)`` logits with
+option 0 = softmax, and both merge weights ``(softmax head, branch)`` with branch 0 =
+linear. The router is trained the official way after conversion
+(``NatsConfig.official_recipe``). Back to the official layout, a model converts only if
+its forward is one the official layer computes: no budget, no normalised scorer input, a
+SiLU output gate, both branches normalised, no softmax gain, plain Gated DeltaNet layers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+from safetensors.torch import load_file
+
+from .atomic_write import atomic_write_bytes
+from .config import ConfigError, NatsConfig
+from .model import NatsForCausalLM
+
+MODEL_TYPE = "neural_attention_search_linear_attn_gdn"
+ARCHITECTURE = "NeuralAttentionSearchLinearAttnGDNForCausalLM"
+
+UNSUPPORTED: dict[str, tuple[Any, str]] = {
+    "attn_with_short_conv": (True, "the softmax heads read q, k and v after the short "
+                             "convolution here (False takes them before it)"),
+    "attn_qk_norm": (True, "the softmax heads RMS-normalise q and k here"),
+    "decay_for_non_gdn_blocks": (True, "softmax chunks decay the linear state here"),
+    "ops_for_incomplete_chunks": ("all", "a query's own chunk goes through both branches "
+                                  "here"),
+    "incomplete_block_start_with_ht": (True, "the own chunk's linear pass starts from the "
+                                       "carried state here"),
+    "nats_block_agg_type": ("mean", "the scorer reads the chunk mean here"),
+    "n_ops": (2, "a route chooses between softmax and Gated DeltaNet here"),
+    "use_gate": (True, "use_gate=False has a differently shaped output norm"),
+    "use_short_conv": (True, "q, k and v always pass the short convolution here"),
+    "conv_bias": (False, "the short convolution has no bias here"),
+    "allow_neg_eigval": (False, "beta is sigmoid(b_proj x) here, never scaled by 2"),
+    "hidden_act": ("swish", "the MLP is SwiGLU here"),
+    "attn_max_position_embeddings": (None, "rotary positions are not capped here"),
+}
+"""Official config keys whose other values this layer does not compute: key -> (the one
+value that converts, what this layer does instead). Their defaults in the official config
+class differ for the first three; its released 340M / 760M configs use the values here."""
+
+SAMPLERS = {"argmax": "argmax", "gumble": "gumbel"}
+"""Official ``nats_sample_strategy`` (their spelling) -> ``NatsConfig.sampler``."""
+
+
+def _fail(key: str, value: Any, allowed: str) -> NoReturn:
+    raise ConfigError(f"official config {key} = {value!r} cannot be converted: {allowed}")
+
+
+def mlp_width(config: Mapping[str, Any]) -> int:
+    """The official MLP's hidden width: ``intermediate_size``, else fla's ``GatedMLP`` rule
+    (2/3 of ``hidden_ratio`` times the width, rounded up to a multiple of 256)."""
+    if config.get("intermediate_size") is not None:
+        return int(config["intermediate_size"])
+    width = int(config["hidden_size"] * (config.get("hidden_ratio") or 4) * 2 / 3)
+    return 256 * ((width + 255) // 256)
+
+
+def config_from_official(config: Mapping[str, Any], vocab_size: int | None = None) -> NatsConfig:
+    """Our config for an official model config (a ``config.json`` as a dict).
+
+    ``vocab_size`` overrides the config's (the released configs omit it; the checkpoint's
+    embedding has it). Raises :class:`ConfigError` naming the first key that does not
+    convert.
+    """
+    if config.get("model_type", MODEL_TYPE) != MODEL_TYPE:
+        _fail("model_type", config.get("model_type"), f"only {MODEL_TYPE!r} models convert")
+    defaults = {"attn_with_short_conv": False, "attn_qk_norm": False,
+                "decay_for_non_gdn_blocks": False, "ops_for_incomplete_chunks": "all",
+                "incomplete_block_start_with_ht": True, "nats_block_agg_type": "mean",
+                "n_ops": 2, "use_gate": True, "use_short_conv": True, "conv_bias": False,
+                "allow_neg_eigval": False, "hidden_act": "swish",
+                "attn_max_position_embeddings": None}  # the official config class's
+    for key, (wanted, why) in UNSUPPORTED.items():
+        value = config.get(key, defaults[key])
+        if value != wanted:
+            _fail(key, value, f"only {wanted!r} converts ({why})")
+    heads = int(config.get("num_heads", 6))
+    for key in ("num_nats_head", "num_v_heads"):
+        if config.get(key) not in (None, heads):
+            _fail(key, config[key], f"only null or num_heads={heads} converts (one routing "
+                  "head per linear head here)")
+    attn_heads = int(config.get("num_attn_heads", 12))
+    if attn_heads % heads:
+        _fail("num_attn_heads", attn_heads, f"a multiple of num_heads={heads} converts")
+    head_dim = int(config.get("head_dim", 256))
+    head_dim_v = head_dim * float(config.get("expand_v", 2.0))
+    if head_dim_v != int(head_dim_v):
+        _fail("expand_v", config.get("expand_v"), "head_dim * expand_v must be whole")
+    sampler = config.get("nats_sample_strategy", "argmax")
+    if sampler not in SAMPLERS:
+        _fail("nats_sample_strategy", sampler, f"one of {tuple(SAMPLERS)}")
+    n_layers = int(config.get("num_hidden_layers", 21))
+    gdn = set(config.get("gdn_layers") or ())
+    if not gdn <= set(range(n_layers)):
+        _fail("gdn_layers", sorted(gdn), f"indices below num_hidden_layers={n_layers}")
+    hidden = int(config.get("hidden_size", 2048))
+    width = mlp_width(config)
+    ratio = width / hidden
+    while 8 * math.ceil(ratio * hidden / 8) > width:  # float rounding up past the width
+        ratio = math.nextafter(ratio, 0.0)
+    recipe = NatsConfig().official_recipe()
+    cfg = recipe.replace(
+        vocab_size=int(vocab_size if vocab_size is not None else config.get("vocab_size", 32000)),
+        d_model=hidden, n_layers=n_layers, n_heads=heads,
+        softmax_heads_per_head=attn_heads // heads, head_dim_k=head_dim,
+        head_dim_v=int(head_dim_v), chunk_size=int(config.get("nats_block_size", 64)),
+        layer_types=tuple("linear" if i in gdn else "nats" for i in range(n_layers)),
+        sampler=SAMPLERS[sampler],
+        route_grad="both" if config.get("compute_dnats_for_invalid_blocks_attn") else "selected",
+        branch_gamma=True, mlp_ratio=ratio, norm_eps=float(config.get("norm_eps", 1e-6)),
+        conv_size=int(config.get("conv_size", 4)),
+        rope=bool(config.get("attn_apply_pos_encoding", True)),
+        rope_theta=float(config.get("attn_rope_theta") or 10000.0),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        initializer_range=float(config.get("initializer_range", 0.02)))
+    if cfg.mlp_hidden != width:
+        _fail("intermediate_size", width, "a multiple of 8")
+    return cfg
+
+
+def config_to_official(cfg: NatsConfig) -> dict[str, Any]:
+    """The official ``config.json`` of a model whose forward the official layer computes;
+    raises :class:`ConfigError` naming the first field that does not convert."""
+    wanted = {"scorer_norm": (False, "the official scorer reads the raw chunk mean"),
+              "softmax_target": (None, "the official scorer has no threshold a budget sets"),
+              "output_gate": ("silu", "the official layer always has the SiLU gate"),
+              "branch_norm": ("both", "the official merge normalises both branches"),
+              "softmax_gain_init": (None, "the official merge has no softmax gain"),
+              "linear_op": ("gated_deltanet", "the official layers are Gated DeltaNet")}
+    for name, (value, why) in wanted.items():
+        if getattr(cfg, name) != value:
+            raise ConfigError(f"NatsConfig.{name} = {getattr(cfg, name)!r} cannot be converted "
+                              f"to the official layout: only {value!r} ({why})")
+    if "softmax" in cfg.layer_types:
+        raise ConfigError(f"NatsConfig.layer_types = {list(cfg.layer_types)} cannot be "
+                          "converted to the official layout: it has no softmax layer")
+    return {
+        "model_type": MODEL_TYPE, "architectures": [ARCHITECTURE], "attn_mode": "chunk",
+        "hidden_size": cfg.d_model, "expand_v": cfg.head_dim_v / cfg.head_dim_k,
+        "head_dim": cfg.head_dim_k, "num_heads": cfg.n_heads,
+        "num_attn_heads": cfg.n_heads * cfg.softmax_heads_per_head, "num_v_heads": None,
+        "n_ops": 2, "num_nats_head": cfg.n_heads, "nats_block_size": cfg.chunk_size,
+        "nats_block_agg_type": "mean",
+        "nats_sample_strategy": {v: k for k, v in SAMPLERS.items()}[cfg.sampler],
+        "ops_for_incomplete_chunks": "all", "use_gate": True, "use_short_conv": True,
+        "conv_size": cfg.conv_size, "conv_bias": False, "allow_neg_eigval": False,
+        "hidden_act": "swish", "intermediate_size": cfg.mlp_hidden, "hidden_ratio": 4,
+        "attn_qk_norm": True, "attn_with_short_conv": True, "decay_for_non_gdn_blocks": True,
+        "incomplete_block_start_with_ht": True,
+        "compute_dnats_for_invalid_blocks_attn": cfg.route_grad == "both",
+        "compute_dnats_for_invalid_blocks_linear_att": cfg.route_grad == "both",
+        "attn_apply_pos_encoding": cfg.rope, "attn_rope_theta": cfg.rope_theta,
+        "attn_max_position_embeddings": None, "num_hidden_layers": cfg.n_layers,
+        "norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.initializer_range, "vocab_size": cfg.vocab_size,
+        "gdn_layers": list(cfg.layers_of("linear"))}
+
+
+# Per layer: official name -> ours, or a tuple of official names concatenated along dim 0.
+_LAYER_COMMON: dict[str, str | tuple[str, ...]] = {
+    "mixer_norm.weight": "attn_norm.weight", "mlp_norm.weight": "mlp_norm.weight",
+    "mlp.gate_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "mlp.down.weight": "mlp.down_proj.weight",
+    "mixer.qkv.proj.weight": ("attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight"),
+    "mixer.qkv.conv.weight": ("attn.q_conv1d.weight", "attn.k_conv1d.weight",
+                              "attn.v_conv1d.weight"),
+    "mixer.gates.a_proj.weight": "attn.a_proj.weight",
+    "mixer.gates.b_proj.weight": "attn.b_proj.weight",
+    "mixer.gates.A_log": "attn.A_log", "mixer.gates.dt_bias": "attn.dt_bias",
+    "mixer.out.gate.weight": "attn.g_proj.weight", "mixer.out.out.weight": "attn.o_proj.weight",
+}
+_LAYER_KIND: dict[str, dict[str, str | tuple[str, ...]]] = {
+    "linear": {"mixer.out.gamma": "attn.o_norm.weight"},
+    "nats": {"mixer.out.gamma": "attn.o_norm.weight1",
+             "mixer.softmax_gamma": "attn.o_norm.weight2",
+             "mixer.q_norm.weight": "attn.q_norm.weight",
+             "mixer.k_norm.weight": "attn.k_norm.weight",
+             "mixer.scorer.proj.weight": "attn.nats_layer.weight",
+             "mixer.mix.weight": "attn.nats_out_weights_layer.weight"},
+}
+
+
+def _names(cfg: NatsConfig) -> dict[str, str | tuple[str, ...]]:
+    """Every tensor of our model -> its official name(s)."""
+    names: dict[str, str | tuple[str, ...]] = {
+        "embed.weight": "model.embeddings.weight", "norm.weight": "model.norm.weight"}
+    if not cfg.tie_embeddings:
+        names["lm_head.weight"] = "lm_head.weight"
+    for i, kind in enumerate(cfg.layer_types):
+        for ours, theirs in {**_LAYER_COMMON, **_LAYER_KIND[kind]}.items():
+            prefix = f"model.layers.{i}."
+            names[f"blocks.{i}.{ours}"] = (tuple(prefix + t for t in theirs)
+                                           if isinstance(theirs, tuple) else prefix + theirs)
+    return names
+
+
+def state_from_official(state: Mapping[str, torch.Tensor],
+                        cfg: NatsConfig) -> dict[str, torch.Tensor]:
+    """Our state dict from an official one (keys with or without the ``model.`` prefix of
+    the base model); every official tensor must be used, and none may be missing."""
+    state = {k if k.startswith(("model.", "lm_head.")) else f"model.{k}": v
+             for k, v in state.items()}
+    if cfg.tie_embeddings:
+        state.pop("lm_head.weight", None)  # the embedding, where a file stores it twice
+    out, used = {}, set()
+    for ours, theirs in _names(cfg).items():
+        parts = theirs if isinstance(theirs, tuple) else (theirs,)
+        missing = [p for p in parts if p not in state]
+        if missing:
+            raise ValueError(f"the official weights lack {missing[0]} (for {ours})")
+        out[ours] = torch.cat([state[p] for p in parts]) if len(parts) > 1 else state[parts[0]]
+        used.update(parts)
+    unused = sorted(set(state) - used)
+    if unused:
+        raise ValueError(f"the official weights hold {len(unused)} tensor(s) this conversion "
+                         f"has no place for, e.g. {unused[0]}")
+    return out
+
+
+def state_to_official(state: Mapping[str, torch.Tensor],
+                      cfg: NatsConfig) -> dict[str, torch.Tensor]:
+    """The official state dict of our ``state`` (``config_to_official(cfg)`` must hold).
+    A shared merge weight (``branch_gamma=False``) becomes both official branch weights."""
+    config_to_official(cfg)
+    state = dict(state)
+    out: dict[str, torch.Tensor] = {}
+    for ours, theirs in _names(cfg).items():
+        if ours.endswith("softmax_gamma") and ours not in state:
+            state[ours] = state[ours.replace("softmax_gamma", "out.gamma")].clone()
+        tensor = state[ours]
+        if isinstance(theirs, tuple):
+            sizes = _split_sizes(ours, cfg)
+            for name, part in zip(theirs, tensor.split(sizes), strict=True):
+                out[name] = part.contiguous()
+        else:
+            out[theirs] = tensor.contiguous()
+    return out
+
+
+def _split_sizes(ours: str, cfg: NatsConfig) -> list[int]:
+    """Row counts of the official tensors concatenated into ``ours``."""
+    if ours.endswith("mlp.gate_up.weight"):
+        return [cfg.mlp_hidden] * 2
+    key, value = cfg.n_heads * cfg.head_dim_k, cfg.n_heads * cfg.head_dim_v
+    return [key, key, value]
+
+
+def load_official(folder: str | os.PathLike) -> tuple[NatsConfig, dict[str, torch.Tensor]]:
+    """Our config and state dict from an official model folder: ``config.json`` and
+    ``model.safetensors`` or its shards (``model.safetensors.index.json``). Pickled
+    weights (``pytorch_model.bin``) are refused: loading them could run code."""
+    folder = Path(folder)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{folder} is not an official NAtS-L model folder: no "
+                                "config.json")
+    try:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{config_file} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file} must hold a JSON object")
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        shards = ["model.safetensors"]
+    elif any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
+        raise ValueError(f"{folder} holds pickled weights only; they are not loaded (a pickle "
+                         "can run code). Save them as safetensors with the official code "
+                         "(model.save_pretrained(..., safe_serialization=True)) first")
+    else:
+        raise FileNotFoundError(f"{folder} holds no model.safetensors")
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        state.update(load_file(str(folder / shard)))
+    embed = state.get("model.embeddings.weight", state.get("embeddings.weight"))
+    if embed is None:
+        raise ValueError(f"{folder} holds no model.embeddings.weight: not an official NAtS-L "
+                         "checkpoint")
+    cfg = config_from_official(config, vocab_size=embed.shape[0])
+    return cfg, state_from_official(state, cfg)
+
+
+def model_from_official(folder: str | os.PathLike) -> NatsForCausalLM:
+    """Our model holding an official checkpoint's weights (in their dtype)."""
+    cfg, state = load_official(folder)
+    model = NatsForCausalLM(cfg).to(state["embed.weight"].dtype)
+    if cfg.tie_embeddings:
+        state["lm_head.weight"] = state["embed.weight"]
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:  # a tensor shaped unlike its config says
+        reason = " ".join(str(e).split())
+        raise ValueError(f"{folder}: the weights do not match config.json: {reason[:300]}") \
+            from None
+    return model
+
+
+def save_official(model: NatsForCausalLM, folder: str | os.PathLike) -> None:
+    """Write ``model`` as an official model folder (``config.json``, ``model.safetensors``)
+    that the official code's ``AutoModelForCausalLM.from_pretrained`` reads."""
+    from safetensors.torch import save
+
+    folder = Path(folder)
+    config = config_to_official(model.config)
+    state = state_to_official({k: v.detach() for k, v in model.state_dict().items()},
+                              model.config)  # without lm_head where tied (``_names``)
+    atomic_write_bytes(folder / "config.json", (json.dumps(config, indent=2) + "\n").encode())
+    atomic_write_bytes(folder / "model.safetensors", save(state, metadata={"format": "pt"}))
