@@ -177,6 +177,12 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                      f"filler {routing['route_filler']:.2f}{query}" if routing else "")
         lines.append(f"  {s['name']}: {quality}, softmax fraction {s['softmax_fraction']:.3f}"
                      f"{precision}, {s['tokens_per_second']:,.0f} tok/s ({s['length']})")
+        heads = [(k.removeprefix("route_informative/"), v) for k, v in routing.items()
+                 if k.startswith("route_informative/") and "/head" in k]
+        if heads:  # heads of one layer may take different parts: show each
+            lines.append("    per head, informative / filler to softmax: " + ", ".join(
+                f"{name.replace('/', ' ')} {v:.2f} / {routing[f'route_filler/{name}']:.2f}"
+                for name, v in heads))
     for p in report["prefill"]:
         lines.append(f"  prefill {p['seq_len']} tokens: {1000 * p['seconds']:.2f} ms")
     return lines

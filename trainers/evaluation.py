@@ -120,7 +120,7 @@ class RoutingPrecision:
 
     def __init__(self) -> None:
         self.counts: dict[int, torch.Tensor] = {}
-        """Layer -> ``[kind, (softmax decisions, decisions)]`` over :attr:`KINDS`."""
+        """Layer -> ``[kind, head, (softmax decisions, decisions)]`` over :attr:`KINDS`."""
 
     def add(self, routes: list[torch.Tensor | None], relevant: torch.Tensor,
             asked: torch.Tensor, chunk_size: int) -> None:
@@ -133,18 +133,30 @@ class RoutingPrecision:
             if r is None or r.shape[1] < 2:
                 continue
             sm = (r[:, :-1, :, SOFTMAX].detach() > 0.5).cpu()  # [B, N - 1, H]
-            row = torch.tensor([[(sm & m[..., None]).sum(), m.sum() * sm.shape[-1]]
-                                for m in kinds], dtype=torch.float64)
-            self.counts[i] = self.counts.get(i, torch.zeros(3, 2, dtype=torch.float64)) + row
+            row = torch.stack([torch.stack([(sm & m[..., None]).sum((0, 1)),
+                                            m.sum().expand(sm.shape[-1])], -1)
+                               for m in kinds]).to(torch.float64)  # [kind, H, 2]
+            self.counts[i] = self.counts.get(i, torch.zeros_like(row)) + row
 
     def metrics(self) -> dict[str, float]:
         """``eval/route_informative``, ``eval/route_query``, ``eval/route_filler`` and
-        ``eval/route_lift``, per layer (``.../layer{i}``) and over all layers' decisions."""
+        ``eval/route_lift``, per layer (``.../layer{i}``), per head of a layer with more
+        than one (``.../layer{i}/head{h}``) and over all layers' decisions.
+
+        A layer's rates pool its heads, and heads may take different parts: in trained
+        recall models one head of a layer often sends the pairs to softmax and no noise,
+        while the other sends noise and no pairs (keeping its linear state clean); the
+        pooled lift then reads as a blind router, the per-head one does not.
+        """
         out: dict[str, float] = {}
         if not self.counts:
             return out
-        for name, c in [*((f"/layer{i}", c) for i, c in self.counts.items()),
-                        ("", sum(self.counts.values()))]:
+        groups = [("", sum(c.sum(1) for c in self.counts.values()))]
+        for i, c in self.counts.items():
+            groups.append((f"/layer{i}", c.sum(1)))
+            if c.shape[1] > 1:
+                groups += [(f"/layer{i}/head{h}", c[:, h]) for h in range(c.shape[1])]
+        for name, c in groups:
             if c[0, 1] == 0 or c[2, 1] == 0:
                 continue  # no informative (or no filler) chunk was seen
             rates = {k: float(c[j, 0] / c[j, 1]) for j, k in enumerate(self.KINDS)

@@ -271,3 +271,17 @@ def test_summary_names_the_query_chunks_only_where_a_slice_has_them() -> None:
     assert "informative chunks to softmax 0.90 vs filler 0.05," in without
     assert "query" not in without and "nan" not in without
     assert "filler 0.05 (query chunks 0.50)," in with_query
+
+
+def test_summary_shows_each_head_where_the_layer_has_several() -> None:
+    """Pooled over heads, a layer whose heads split the work reads as a blind router."""
+    routing = {"route_informative": 0.45, "route_filler": 0.2, "route_lift": 2.2,
+               "route_informative/layer0/head0": 0.0, "route_filler/layer0/head0": 0.38,
+               "route_informative/layer0/head1": 0.9, "route_filler/layer0/head1": 0.02}
+    report = {"source": "m", "device_name": "cpu", "prefill": [],
+              "slices": [{"name": "s", "accuracy": 1.0, "sequence_accuracy": 1.0,
+                          "softmax_fraction": 0.25, "tokens_per_second": 10.0,
+                          "length": "training length", "routing": routing}]}
+    heads = summary_lines(report)[2]
+    assert heads.strip() == ("per head, informative / filler to softmax: layer0 head0 0.00 / "
+                             "0.38, layer0 head1 0.90 / 0.02")

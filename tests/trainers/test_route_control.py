@@ -111,6 +111,15 @@ def test_routing_precision_counts_by_hand() -> None:
     assert m["eval/route_filler"] == pytest.approx(1 / 6)
     assert m["eval/route_lift"] == pytest.approx(4.5)
     assert m["eval/route_lift/layer0"] == pytest.approx(4.5)
+    # Per head: head 0 sends both informative chunks and 1 of 3 filler chunks to softmax,
+    # head 1 one informative chunk, the question and no filler (no lift: nothing to divide).
+    assert m["eval/route_informative/layer0/head0"] == pytest.approx(1.0)
+    assert m["eval/route_filler/layer0/head0"] == pytest.approx(1 / 3)
+    assert m["eval/route_lift/layer0/head0"] == pytest.approx(3.0)
+    assert m["eval/route_informative/layer0/head1"] == pytest.approx(0.5)
+    assert m["eval/route_query/layer0/head1"] == pytest.approx(1.0)
+    assert m["eval/route_filler/layer0/head1"] == 0.0
+    assert "eval/route_lift/layer0/head1" not in m
     never = RoutingPrecision()  # only the pairs to softmax: a filler rate of 0, no lift
     pairs = informative_chunks(relevant, 16).long()[..., None].expand(-1, -1, 2)
     never.add([torch.stack([pairs, 1 - pairs], -1).float()], relevant, asked, 16)
