@@ -2,9 +2,12 @@
 
     python experiments/official_parity.py --official-src PATH/src --out runs/parity   # a GPU
 
-``PATH`` is a checkout of automl/NeuralAttentionSearchLinear (not vendored here), and its
-dependency flash-linear-attention 0.4.0 (``fla``) must be importable. Its package is also
-called ``nats``, so each side runs in a process of its own:
+``PATH`` is a checkout of automl/NeuralAttentionSearchLinear (not vendored here), and
+flash-linear-attention (``fla``) must be importable: 0.4.1 or later, although the official
+setup.py pins 0.4.0, whose ``chunk_scaled_dot_kkt_fwd`` lacks the ``gk`` argument the
+official kernels pass; and transformers 4.x (with 5.17 every official case failed:
+"'list' object has no attribute 'keys'"). The official package is also called ``nats``, so
+each side runs in a process of its own:
 
 1. ``--side official``: with the official source first on the path, build the official
    model for each case (small: our Triton kernels take head widths up to 128), give every
