@@ -52,11 +52,12 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "--batches batches that evaluation does not read, one pass per "
                         "layer); the budget held in training is a share of the training "
                         "data, not of this workload")
-    p.add_argument("--calibrate-scope", choices=("layer", "model"),
+    p.add_argument("--calibrate-scope", choices=("layer", "model", "head"),
                    help="with --calibrate-budget: 'layer' (default) gives every layer "
                         "FRACTION; 'model' gives the layers FRACTION on average, split where "
                         "it lowers the loss on the calibration batches (a search of a few "
-                        "passes per move between two layers)")
+                        "passes per move between two layers); 'head' splits it the same way "
+                        "among every layer's heads")
     p.add_argument("--save-model", type=Path, metavar="DIR",
                    help="with --calibrate-budget: also save the calibrated model to DIR (a "
                         "new or empty folder)")
@@ -87,8 +88,10 @@ def eval_command(args: argparse.Namespace) -> int:
                          + " ".join(f"{f:g}" for f in fractions))
     if args.calibrate_scope is not None and fractions is None:
         raise ValueError("--calibrate-scope says how to calibrate: give --calibrate-budget")
-    if args.calibrate_scope == "model" and fractions is not None and len(fractions) > 1:
-        raise ValueError("--calibrate-scope model splits one fraction: give one")
+    if args.calibrate_scope in ("model", "head") and fractions is not None \
+            and len(fractions) > 1:
+        raise ValueError(f"--calibrate-scope {args.calibrate_scope} splits one fraction: "
+                         "give one")
     if args.save_model is not None:
         if args.calibrate_budget is None:
             raise ValueError("--save-model saves a calibrated model: give --calibrate-budget")
@@ -115,17 +118,20 @@ def eval_command(args: argparse.Namespace) -> int:
         batches = [(ids.to(device), labels.to(device))
                    for ids, labels in build_batches(slices[0]).calibration(args.batches)]
         try:
-            layers = (split_budget(loaded.model, batches, fractions[0])
-                      if args.calibrate_scope == "model" else
+            layers = (split_budget(loaded.model, batches, fractions[0],
+                                   unit="head" if args.calibrate_scope == "head" else "layer")
+                      if args.calibrate_scope in ("model", "head") else
                       calibrate_budget(loaded.model, [ids for ids, _ in batches],
                                        fractions[0] if len(fractions) == 1 else fractions))
         except ValueError as error:  # what the model or the slice cannot calibrate
             raise ValueError(f"--calibrate-budget: {error}") from None
         scope = (" on average over the layers" if args.calibrate_scope == "model" else
+                 " on average over the heads" if args.calibrate_scope == "head" else
                  " per layer" if len(fractions) > 1 else "")
         where = f"{' '.join(f'{f:g}' for f in fractions)}{scope} on {slice_name(slices[0])}"
         print(f"nats: calibrated the routing biases to {where}: " + ", ".join(
-            f"layer {c.layer} bias {c.bias:.3f} share {c.share:.3f}" for c in layers))
+            f"layer {c.layer}{'' if c.head is None else f' head {c.head}'} bias {c.bias:.3f} "
+            f"share {c.share:.3f}" for c in layers))
         if any(abs(c.share - c.target) > 0.05 for c in layers):
             print("nats: warning: tied routing scores (an untrained scorer?) keep a layer's "
                   "share away from the target", file=sys.stderr)

@@ -67,14 +67,15 @@ def update_budget(model: NatsForCausalLM, routable_frac: list[torch.Tensor | Non
 
 @dataclass(frozen=True)
 class Calibration:
-    """One layer's calibrated routing bias, the share it was asked for and the share it
-    routes on the calibration batches (off the target only where scores tie, as an
-    untrained scorer's do)."""
+    """One layer's (or, with ``head`` set, one head's) calibrated routing bias, the share it
+    was asked for and the share it routes on the calibration batches (off the target only
+    where scores tie, as an untrained scorer's do)."""
 
     layer: int
     bias: float
     target: float
     share: float
+    head: int | None = None
 
 
 @torch.no_grad()
@@ -108,9 +109,10 @@ def calibrate_budget(model: NatsForCausalLM, batches: Sequence[torch.Tensor],
 
 @torch.no_grad()
 def split_budget(model: NatsForCausalLM, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                 target: float, levels: int = 2) -> list[Calibration]:
+                 target: float, levels: int = 2, unit: str = "layer") -> list[Calibration]:
     """Calibrate the routing biases so that the layers' shares average ``target``, split
-    among the layers where it lowers the loss on ``batches`` (input ids, labels).
+    among the layers (``unit="layer"``) or among every layer's heads (``"head"``) where it
+    lowers the loss on ``batches`` (input ids, labels).
 
     A softmax route is not worth the same in every layer: in the 2-layer recall models of
     docs/RESULTS.md ("Where the budget goes") the first layer's keep the pairs and the
@@ -120,14 +122,27 @@ def split_budget(model: NatsForCausalLM, batches: Sequence[tuple[torch.Tensor, t
     ``levels`` step sizes in all, from ``target / 2``. Each move tried costs a calibration
     and a loss pass over ``batches``. The split is a local optimum of the loss on these
     batches, never worse than the even split.
+
+    Per head: the heads of one layer may take different parts, one sending the pairs of a
+    recall task to softmax and another the noise; at a small share the first can hold it
+    all (docs/RESULTS.md, "The heads of a layer split the work").
     """
     _check_fraction(target, closed=False)
     if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
         raise ValueError(f"levels must be an integer >= 1, got {levels!r}")
+    if unit not in ("layer", "head"):
+        raise ValueError(f"unit must be 'layer' or 'head', got {unit!r}")
     ids = [x for x, _ in batches]
     layers = _calibration_layers(model, ids)
-    shares = [float(target)] * len(layers)
-    best = _calibrated_loss(model, layers, batches, shares)
+    heads = model.config.n_heads if unit == "head" else 1
+    shares = [float(target)] * (len(layers) * heads)
+
+    def targets(flat: list[float]) -> list[float | list[float]]:
+        if unit == "layer":
+            return list(flat)
+        return [flat[i * heads:(i + 1) * heads] for i in range(len(layers))]
+
+    best = _calibrated_loss(model, layers, batches, targets(shares))
     step = target / 2
     for _ in range(levels):
         while True:
@@ -138,12 +153,13 @@ def split_budget(model: NatsForCausalLM, batches: Sequence[tuple[torch.Tensor, t
                 candidate = list(shares)
                 candidate[i] -= step
                 candidate[j] += step
-                tried.append((_calibrated_loss(model, layers, batches, candidate), candidate))
+                tried.append((_calibrated_loss(model, layers, batches, targets(candidate)),
+                              candidate))
             if not tried or min(tried)[0] >= best:
                 break
             best, shares = min(tried)
         step /= 2
-    return _calibrate(model, layers, ids, shares)
+    return _calibrate(model, layers, ids, targets(shares))
 
 
 def _check_fraction(value: Any, closed: bool) -> None:
@@ -166,13 +182,16 @@ def _calibration_layers(model: NatsForCausalLM, batches: Sequence[Any],
 
 
 def _calibrate(model: NatsForCausalLM, layers: list[tuple[int, torch.nn.Module]],
-               batches: Sequence[torch.Tensor], targets: list[float]) -> list[Calibration]:
+               batches: Sequence[torch.Tensor],
+               targets: Sequence[float | Sequence[float]]) -> list[Calibration]:
+    """Each layer to its target: one share for all its heads (one bias, over their pooled
+    scores), or a share per head (a bias each)."""
     was_training = model.training
     model.eval()
     out = []
     try:
         for (index, layer), target in zip(layers, targets, strict=True):
-            old_bias = float(layer.budget.route_bias)
+            old_bias = layer.budget.route_bias.clone()
             layer.budget.route_bias.zero_()  # the hook then sees z itself
             try:
                 z = _routable_scores(model, layer.budget, batches)
@@ -180,12 +199,21 @@ def _calibrate(model: NatsForCausalLM, layers: list[tuple[int, torch.nn.Module]]
                     raise ValueError("the calibration batches hold no sequence of more than "
                                      "one chunk")
             except BaseException:
-                layer.budget.route_bias.fill_(old_bias)
+                layer.budget.route_bias.copy_(old_bias)
                 raise
-            bias = _threshold(z, target)
-            layer.budget.route_bias.fill_(bias)
             # The route is the argmax of [z + bias, 0]: a tie goes to softmax (index 0).
-            out.append(Calibration(index, bias, target, float((z + bias >= 0).float().mean())))
+            if isinstance(target, Sequence):
+                z = z.view(-1, layer.budget.route_bias.numel())
+                for head, t in enumerate(target):
+                    bias = _threshold(z[:, head].contiguous(), t)
+                    layer.budget.route_bias[head] = bias
+                    out.append(Calibration(index, bias, t, float((z[:, head] + bias >= 0)
+                                                                 .float().mean()), head))
+            else:
+                bias = _threshold(z, target)
+                layer.budget.route_bias.fill_(bias)
+                out.append(Calibration(index, bias, target,
+                                       float((z + bias >= 0).float().mean())))
     finally:
         model.train(was_training)
     return out
@@ -193,7 +221,7 @@ def _calibrate(model: NatsForCausalLM, layers: list[tuple[int, torch.nn.Module]]
 
 def _calibrated_loss(model: NatsForCausalLM, layers: list[tuple[int, torch.nn.Module]],
                      batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                     shares: list[float]) -> float:
+                     shares: Sequence[float | Sequence[float]]) -> float:
     """The evaluation's mean next-token loss over the labelled tokens of ``batches``
     (``eval/ce``) with the layers calibrated to ``shares`` (on the same batches' ids)."""
     ids = [x for x, _ in batches]
@@ -241,5 +269,5 @@ def budgeted_layers(model: NatsForCausalLM) -> list[tuple[int, torch.nn.Module]]
 
 def route_bias_scalars(model: NatsForCausalLM) -> dict[str, float]:
     """``train/route_bias/layer{i}`` of every NAtS-L layer under a budget (TensorBoard)."""
-    return {f"train/route_bias/layer{i}": float(layer.budget.route_bias)
+    return {f"train/route_bias/layer{i}": float(layer.budget.route_bias.mean())
             for i, layer in budgeted_layers(model)}

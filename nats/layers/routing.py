@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from statistics import NormalDist
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -141,8 +142,18 @@ class BudgetedScores(nn.Module):
     def __init__(self, n_heads: int, target: float, eps: float = 1e-5) -> None:
         super().__init__()
         self.eps = eps
-        self.register_buffer("route_bias", torch.tensor(_normal_quantile(target)))
+        # One bias per head: training moves them together; a calibration may set them apart
+        # (a head that routes content can take the share another head gives up).
+        self.register_buffer("route_bias", torch.full((n_heads,), _normal_quantile(target)))
         self.moments = RunningMoments(n_heads)
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str,
+                              *args: Any, **kwargs: Any) -> None:
+        # Models saved before the bias was per head hold one number per layer.
+        key = prefix + "route_bias"
+        if key in state_dict and state_dict[key].dim() == 0:
+            state_dict[key] = state_dict[key].expand(self.route_bias.shape).clone()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` ``[B, N, H, 2]`` -> ``[B, N, H, 2]``."""

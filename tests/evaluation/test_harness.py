@@ -137,13 +137,13 @@ def test_cli_calibrates_the_budget_and_saves_the_model(tmp_path: Path, capsys) -
     # Evaluation draws other batches than calibration: the share lands near, not on, 0.4.
     assert report["slices"][0]["routing"]["route_frac"] == pytest.approx(0.4, abs=0.07)
     reloaded = load_model(saved, CPU).model
-    biases = [float(layer.budget.route_bias) for layer in reloaded.nats_layers]
+    biases = [float(layer.budget.route_bias.unique()) for layer in reloaded.nats_layers]
     assert f"layer 0 bias {biases[0]:.3f} share 0.4" in printed
     assert f"layer 1 bias {biases[1]:.3f} share 0.4" in printed
     original = load_model(tmp_path / "m", CPU).model  # untouched
-    assert [float(x.budget.route_bias) for x in original.nats_layers] == [
-        float(x.budget.route_bias) for x in model.nats_layers]
-    assert biases != [float(x.budget.route_bias) for x in model.nats_layers]
+    assert [float(x.budget.route_bias.unique()) for x in original.nats_layers] == [
+        float(x.budget.route_bias.unique()) for x in model.nats_layers]
+    assert biases != [float(x.budget.route_bias.unique()) for x in model.nats_layers]
     _model(("nats",)).save_pretrained(tmp_path / "tied")  # a zero-initialised scorer
     assert main(["eval", str(tmp_path / "tied"), *argv[2:], "--calibrate-budget", "0.4"]) == 0
     assert "tied routing scores" in capsys.readouterr().err
@@ -182,6 +182,19 @@ def test_cli_splits_a_model_wide_budget_among_the_layers(tmp_path: Path, capsys)
     assert "--calibrate-scope says how to calibrate" in capsys.readouterr().err
     assert main([*argv, "0.5", "--calibrate-scope", "model"]) == 2
     assert "splits one fraction: give one" in capsys.readouterr().err
+
+
+def test_cli_splits_a_model_wide_budget_among_the_heads(tmp_path: Path, capsys) -> None:
+    argv, out = _ranked_budgeted_model(tmp_path)
+    assert main([*argv, "0.25", "--calibrate-scope", "head"]) == 0
+    printed = capsys.readouterr().out
+    assert "biases to 0.25 on average over the heads on mqar seq_len=128" in printed
+    found = re.findall(r"layer (\d) head (\d) bias -?\d\.\d+ share (\d\.\d+)", printed)
+    assert [(int(i), int(h)) for i, h, _ in found] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert sum(float(x) for *_, x in found) / 4 == pytest.approx(0.25, abs=0.01)
+    assert "on average over the heads" in json.loads(out.read_text())["source"]
+    assert main([*argv, "0.2", "0.3", "--calibrate-scope", "head"]) == 2
+    assert "--calibrate-scope head splits one fraction" in capsys.readouterr().err
 
 
 def test_cli_calibrates_one_fraction_per_layer(tmp_path: Path, capsys) -> None:

@@ -38,13 +38,13 @@ def test_budget_controller_moves_each_bias_against_its_error(micro: MicroConfig,
                                                              scope: str) -> None:
     config = micro(budget_rate=0.5)
     model = NatsForCausalLM(config.model.replace(softmax_target=0.25, budget_scope=scope))
-    start = float(model.nats_layers[0].budget.route_bias)
+    start = float(model.nats_layers[0].budget.route_bias.unique())
     update_budget(model, [torch.tensor(0.75), torch.tensor(0.25)], 0.25, config)
-    moved = [float(layer.budget.route_bias) - start for layer in model.nats_layers]
+    moved = [float(layer.budget.route_bias.unique()) - start for layer in model.nats_layers]
     want = [-0.25, 0.0] if scope == "layer" else [-0.125, -0.125]
     assert moved == pytest.approx(want)
     update_budget(model, [torch.tensor(math.nan), torch.tensor(0.5)], 0.25, config)  # 1 chunk
-    assert [float(layer.budget.route_bias) - start for layer in model.nats_layers] == \
+    assert [float(layer.budget.route_bias.unique()) - start for layer in model.nats_layers] == \
         pytest.approx(want)
 
 
@@ -171,7 +171,8 @@ def test_calibration_routes_the_target_share_of_the_workload() -> None:
     model.train()
     layers = calibrate_budget(model, workload, 0.4)
     assert model.training  # as it was
-    assert [c.bias for c in layers] == [float(x.budget.route_bias) for x in model.nats_layers]
+    assert [c.bias for c in layers] == [float(x.budget.route_bias.unique())
+                                        for x in model.nats_layers]
     assert [c.layer for c in layers] == [0, 1]
     # On the calibration batches: the target to within one chunk-head of 4 x 8 x 9 x 2.
     assert [c.share for c in layers] == pytest.approx([0.4, 0.4], abs=1 / 576)
@@ -232,7 +233,7 @@ def test_split_budget_finds_a_split_no_move_improves() -> None:
     assert all(round(s / 0.0625, 9).is_integer() for s in shares)  # on the finest grid
     assert [c.share for c in layers] == pytest.approx(shares, abs=1 / 576)
     biases = [c.bias for c in layers]
-    assert biases == [float(x.budget.route_bias) for x in model.nats_layers]
+    assert biases == [float(x.budget.route_bias.unique()) for x in model.nats_layers]
     found = _loss_at(model, batches, shares)
     assert found <= _loss_at(model, batches, [0.25, 0.25])
     for move in (0.0625, -0.0625):  # neither neighbour on the finest step is better
@@ -245,6 +246,61 @@ def test_split_budget_finds_a_split_no_move_improves() -> None:
     assert len(set(grid.values())) > 1 and found == grid[shares[0]]
 
 
+def _loss_per_head(model: NatsForCausalLM, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                   shares: list[list[float]]) -> float:
+    """The reference of a split among heads: each head's bias by hand (the midpoint below
+    its share of its own routable scores), then the mean loss over labelled tokens."""
+    for layer, share in zip(model.nats_layers, shares, strict=True):
+        seen: list[torch.Tensor] = []
+        layer.budget.route_bias.zero_()
+        hook = layer.budget.register_forward_hook(
+            lambda m, i, out, seen=seen: seen.append(out[:, :-1, :, 0].reshape(-1, out.shape[2])))
+        with torch.no_grad():
+            for x, _ in batches:
+                model(x)
+        hook.remove()
+        z = torch.cat(seen)
+        for h, t in enumerate(share):
+            ranked = z[:, h].sort(descending=True).values
+            k = round(t * len(ranked))
+            cut = (ranked[0] + 1 if k == 0 else ranked[-1] - 1 if k == len(ranked)
+                   else (ranked[k - 1] + ranked[k]) / 2)
+            layer.budget.route_bias[h] = -cut
+    with torch.no_grad():
+        total = sum(float(next_token_cross_entropy(model(x).logits, y, reduction="sum"))
+                    for x, y in batches)
+    return total / sum(int((y[:, 1:] != IGNORE_INDEX).sum()) for _, y in batches)
+
+
+def test_split_budget_among_heads_finds_a_split_no_move_improves() -> None:
+    model, batches = _scored_model(), _labelled(3)
+    found = split_budget(model, batches, 0.25, levels=2, unit="head")
+    assert [(c.layer, c.head) for c in found] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    shares = [c.target for c in found]
+    assert sum(shares) / 4 == pytest.approx(0.25) and shares != [0.25] * 4
+    assert [c.share for c in found] == pytest.approx(shares, abs=1 / 288)
+    assert [float(b) for x in model.nats_layers for b in x.budget.route_bias] == \
+        pytest.approx([c.bias for c in found])
+    rows = [shares[:2], shares[2:]]
+    loss = _loss_per_head(model, batches, rows)
+    assert loss <= _loss_per_head(model, batches, [[0.25, 0.25], [0.25, 0.25]])
+    for i in range(4):  # no move of the finest step between two heads is better
+        for j in range(4):
+            moved = list(shares)
+            moved[i] -= 0.0625
+            moved[j] += 0.0625
+            if i != j and min(moved) >= 0 and max(moved) <= 1:
+                assert loss <= _loss_per_head(model, batches, [moved[:2], moved[2:]])
+
+
+def test_a_bias_saved_as_one_number_per_layer_loads_into_every_head() -> None:
+    model = _scored_model()
+    state = model.state_dict()
+    state["blocks.1.mixer.budget.route_bias"] = torch.tensor(0.7)  # an older model's
+    model.load_state_dict(state)
+    assert model.nats_layers[1].budget.route_bias.tolist() == pytest.approx([0.7, 0.7])
+
+
 def test_split_budget_refuses_what_it_cannot_do() -> None:
     model = _scored_model()
     with pytest.raises(ValueError, match=r"a fraction in \(0, 1\)"):
@@ -253,6 +309,8 @@ def test_split_budget_refuses_what_it_cannot_do() -> None:
         split_budget(model, _labelled(0, 1), 0.3, levels=0)
     with pytest.raises(ValueError, match="no calibration batches"):
         split_budget(model, [], 0.3)
+    with pytest.raises(ValueError, match="unit"):
+        split_budget(model, _labelled(0, 1), 0.3, unit="chunk")
 
 
 @pytest.mark.parametrize(("target", "batches", "message"), [
@@ -265,10 +323,10 @@ def test_split_budget_refuses_what_it_cannot_do() -> None:
 ])
 def test_calibration_refuses_what_it_cannot_do(target, batches, message) -> None:
     model = _scored_model()
-    biases = [float(layer.budget.route_bias) for layer in model.nats_layers]
+    biases = [float(layer.budget.route_bias.unique()) for layer in model.nats_layers]
     with pytest.raises(ValueError, match=message):
         calibrate_budget(model, _ids(0, 1) if batches is None else batches, target)
-    assert [float(layer.budget.route_bias) for layer in model.nats_layers] == biases
+    assert [float(layer.budget.route_bias.unique()) for layer in model.nats_layers] == biases
 
 
 def test_calibration_needs_a_budget() -> None:
