@@ -268,9 +268,10 @@ def test_every_config_field_is_an_option_with_its_docstring_as_help() -> None:
             if f.name in _BY_HAND:
                 continue
             assert f.name in docs, f"{cls.__name__}.{f.name} has no docstring"
-            assert options[f.name].option_strings == ["--" + f.name.replace("_", "-")] or \
-                f.name in ("compile", "streaming", "rope", "scorer_norm", "scorer_detach",
-                           "tie_embeddings")
+            flag = "--" + f.name.replace("_", "-")
+            switch = f.type in (bool, "bool")  # a switch has its negation too
+            assert options[f.name].option_strings == (
+                [flag, "--no-" + flag[2:]] if switch else [flag]), f.name
             assert options[f.name].help.split()[0] == docs[f.name].replace("``", "").split()[0]
     assert "copy, mqar, needle, text" in options["task"].help  # TASKS spelled out
 
