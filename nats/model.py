@@ -8,6 +8,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,17 @@ from .layers.softmax_attention import SoftmaxAttention
 
 MIXERS = {"nats": NatsAttention, "linear": LinearLayer, "softmax": SoftmaxAttention}
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file that must hold an object (a config): one-line errors otherwise."""
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, not {type(data).__name__}")
+    return data
 IGNORE_INDEX = -100
 
 
@@ -231,14 +243,7 @@ class NatsForCausalLM(nn.Module):
         for name in (CONFIG_FILE, WEIGHTS_FILE):
             if not (directory / name).is_file():
                 raise FileNotFoundError(f"{directory} is not a saved nats model: no {name}")
-        try:
-            data = json.loads((directory / CONFIG_FILE).read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{directory / CONFIG_FILE} is not valid JSON ({e})") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{directory / CONFIG_FILE} must hold a JSON object, not "
-                             f"{type(data).__name__}")
-        config = NatsConfig.from_dict(data)
+        config = NatsConfig.from_dict(read_json_object(directory / CONFIG_FILE))
         try:
             state = load_file(str(directory / WEIGHTS_FILE), device=str(device))
         except Exception as e:  # safetensors' own error types for a damaged file

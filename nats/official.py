@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 
 from .atomic_write import atomic_write_bytes
 from .config import ConfigError, NatsConfig
-from .model import NatsForCausalLM
+from .model import NatsForCausalLM, read_json_object
 
 MODEL_TYPE = "neural_attention_search_linear_attn_gdn"
 ARCHITECTURE = "NeuralAttentionSearchLinearAttnGDNForCausalLM"
@@ -274,12 +274,7 @@ def load_official(folder: str | os.PathLike) -> tuple[NatsConfig, dict[str, torc
     if not config_file.is_file():
         raise FileNotFoundError(f"{folder} is not an official NAtS-L model folder: no "
                                 "config.json")
-    try:
-        config = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{config_file} is not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{config_file} must hold a JSON object")
+    config = read_json_object(config_file)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))

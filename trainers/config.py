@@ -7,13 +7,13 @@ included), so a config saved beside the checkpoints is enough to resume or repea
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
 from nats.config import ConfigError, NatsConfig, fail, reject_unknown_fields
+from nats.model import read_json_object
 
 from .checkpoint import newest_readable
 from .synthetic import CopyTask, MQARTask, NeedleTask, SyntheticTask, TaskMixture
@@ -396,11 +396,9 @@ def config_from_file(path: str | Path, base: TrainConfig) -> TrainConfig:
     if not path.is_file():
         raise FileNotFoundError(f"--config: {str(path)!r} is not a file")
     try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--config: {path} is not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config: {path} must hold a JSON object")
+        data = read_json_object(path)
+    except ValueError as e:
+        raise ConfigError(f"--config: {e}") from None
     if "model" in data:
         return TrainConfig.from_dict(data)
     return base.replace(model=NatsConfig.from_dict(data))
