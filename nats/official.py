@@ -115,6 +115,8 @@ def config_from_official(config: Mapping[str, Any], vocab_size: int | None = Non
         _fail("gdn_layers", sorted(gdn), f"indices below num_hidden_layers={n_layers}")
     hidden = int(config.get("hidden_size", 2048))
     width = mlp_width(config)
+    if width % 8:
+        _fail("intermediate_size", width, "a multiple of 8 (the MLP width here)")
     ratio = width / hidden
     while 8 * math.ceil(ratio * hidden / 8) > width:  # float rounding up past the width
         ratio = math.nextafter(ratio, 0.0)
@@ -133,8 +135,6 @@ def config_from_official(config: Mapping[str, Any], vocab_size: int | None = Non
         rope_theta=float(config.get("attn_rope_theta") or 10000.0),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         initializer_range=float(config.get("initializer_range", 0.02)))
-    if cfg.mlp_hidden != width:
-        _fail("intermediate_size", width, "a multiple of 8")
     return cfg
 
 

@@ -217,6 +217,13 @@ def test_each_unsupported_official_setting_is_refused_by_name(key):
         config_from_official({**TINY, key: other})
 
 
+def test_an_mlp_width_this_model_cannot_hold_is_refused():
+    with pytest.raises(ConfigError, match="intermediate_size"):
+        config_from_official({**TINY, "intermediate_size": 67})
+    for width in (64, 2816, 4096, 8 * 1237):  # the ratio lands on the width exactly
+        assert config_from_official({**TINY, "intermediate_size": width}).mlp_hidden == width
+
+
 def test_official_defaults_are_refused_where_this_layer_differs():
     """The config class's own defaults (softmax q/k/v before the convolution, no q/k norm,
     no decay over softmax chunks) are not what the released configs use."""
