@@ -27,6 +27,7 @@ from .layers.softmax_attention import SoftmaxAttention
 
 MIXERS = {"nats": NatsAttention, "linear": LinearLayer, "softmax": SoftmaxAttention}
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+IGNORE_INDEX = -100
 
 
 def read_json_object(path: Path) -> dict[str, Any]:
@@ -38,7 +39,15 @@ def read_json_object(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object, not {type(data).__name__}")
     return data
-IGNORE_INDEX = -100
+
+
+def write_model_files(directory: Path, config: dict[str, Any],
+                      state: dict[str, torch.Tensor]) -> None:
+    """``config.json`` and ``model.safetensors`` of a model folder, each atomically."""
+    atomic_write_bytes(directory / CONFIG_FILE, (json.dumps(config, indent=2) + "\n").encode())
+    atomic_write_bytes(directory / WEIGHTS_FILE,
+                       save({k: v.detach().contiguous() for k, v in state.items()},
+                            metadata={"format": "pt"}))
 
 
 def next_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
@@ -226,13 +235,10 @@ class NatsForCausalLM(nn.Module):
         """Write ``config.json`` and ``model.safetensors``, each atomically. ``config.json``
         also names the model type for ``transformers`` (``HF_KEYS``), so that
         ``AutoModelForCausalLM`` loads the folder once :func:`nats.hf.register` has run."""
-        directory = Path(directory)
-        config = {**self.config.to_dict(), **HF_KEYS}
-        atomic_write_bytes(directory / CONFIG_FILE, (json.dumps(config, indent=2) + "\n").encode())
         # Tied weights share storage, which safetensors refuses: store the embedding once.
-        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()
+        state = {k: v for k, v in self.state_dict().items()
                  if not (self.config.tie_embeddings and k == "lm_head.weight")}
-        atomic_write_bytes(directory / WEIGHTS_FILE, save(state, metadata={"format": "pt"}))
+        write_model_files(Path(directory), {**self.config.to_dict(), **HF_KEYS}, state)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike,
@@ -252,13 +258,21 @@ class NatsForCausalLM(nn.Module):
         if "embed.weight" not in state:
             raise ValueError(f"{directory / WEIGHTS_FILE} holds no embed.weight: not the "
                              "weights of a nats model")
+        return cls.from_state(config, state, f"{directory / WEIGHTS_FILE}").to(device)
+
+    @classmethod
+    def from_state(cls, config: NatsConfig, state: dict[str, torch.Tensor],
+                   source: str) -> NatsForCausalLM:
+        """A model of ``config`` holding ``state`` (in its dtype; a tied head may be absent
+        from it); a tensor missing, unexpected or mis-shaped is a one-line error naming
+        ``source``."""
         model = cls(config).to(state["embed.weight"].dtype)
         if config.tie_embeddings:
-            state["lm_head.weight"] = state["embed.weight"]
+            state = {**state, "lm_head.weight": state["embed.weight"]}
         try:
             model.load_state_dict(state)
-        except RuntimeError as e:  # missing, unexpected or mis-shaped tensors
+        except RuntimeError as e:
             reason = " ".join(str(e).split())
-            raise ValueError(f"{directory / WEIGHTS_FILE} does not match {CONFIG_FILE}: "
-                             f"{reason[:300]}") from None
-        return model.to(device)
+            raise ValueError(f"{source} does not match {CONFIG_FILE}: {reason[:300]}") \
+                from None
+        return model

@@ -29,34 +29,34 @@ from typing import Any, NoReturn
 import torch
 from safetensors.torch import load_file
 
-from .atomic_write import atomic_write_bytes
 from .config import ConfigError, NatsConfig
-from .model import NatsForCausalLM, read_json_object
+from .model import NatsForCausalLM, read_json_object, write_model_files
 
 MODEL_TYPE = "neural_attention_search_linear_attn_gdn"
 ARCHITECTURE = "NeuralAttentionSearchLinearAttnGDNForCausalLM"
 
-UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "attn_with_short_conv": (True, "the softmax heads read q, k and v after the short "
+UNSUPPORTED: dict[str, tuple[Any, Any, str]] = {
+    "attn_with_short_conv": (True, False, "the softmax heads read q, k and v after the short "
                              "convolution here (False takes them before it)"),
-    "attn_qk_norm": (True, "the softmax heads RMS-normalise q and k here"),
-    "decay_for_non_gdn_blocks": (True, "softmax chunks decay the linear state here"),
-    "ops_for_incomplete_chunks": ("all", "a query's own chunk goes through both branches "
-                                  "here"),
-    "incomplete_block_start_with_ht": (True, "the own chunk's linear pass starts from the "
-                                       "carried state here"),
-    "nats_block_agg_type": ("mean", "the scorer reads the chunk mean here"),
-    "n_ops": (2, "a route chooses between softmax and Gated DeltaNet here"),
-    "use_gate": (True, "use_gate=False has a differently shaped output norm"),
-    "use_short_conv": (True, "q, k and v always pass the short convolution here"),
-    "conv_bias": (False, "the short convolution has no bias here"),
-    "allow_neg_eigval": (False, "beta is sigmoid(b_proj x) here, never scaled by 2"),
-    "hidden_act": ("swish", "the MLP is SwiGLU here"),
-    "attn_max_position_embeddings": (None, "rotary positions are not capped here"),
+    "attn_qk_norm": (True, False, "the softmax heads RMS-normalise q and k here"),
+    "decay_for_non_gdn_blocks": (True, False, "softmax chunks decay the linear state here"),
+    "ops_for_incomplete_chunks": ("all", "all", "a query's own chunk goes through both "
+                                  "branches here"),
+    "incomplete_block_start_with_ht": (True, True, "the own chunk's linear pass starts from "
+                                       "the carried state here"),
+    "nats_block_agg_type": ("mean", "mean", "the scorer reads the chunk mean here"),
+    "n_ops": (2, 2, "a route chooses between softmax and Gated DeltaNet here"),
+    "use_gate": (True, True, "use_gate=False has a differently shaped output norm"),
+    "use_short_conv": (True, True, "q, k and v always pass the short convolution here"),
+    "conv_bias": (False, False, "the short convolution has no bias here"),
+    "allow_neg_eigval": (False, False, "beta is sigmoid(b_proj x) here, never scaled by 2"),
+    "hidden_act": ("swish", "swish", "the MLP is SwiGLU here"),
+    "attn_max_position_embeddings": (None, None, "rotary positions are not capped here"),
 }
 """Official config keys whose other values this layer does not compute: key -> (the one
-value that converts, what this layer does instead). Their defaults in the official config
-class differ for the first three; its released 340M / 760M configs use the values here."""
+value that converts, the official config class's default, what this layer does instead).
+The defaults differ for the first three; the released 340M / 760M configs use the values
+that convert."""
 
 SAMPLERS = {"argmax": "argmax", "gumble": "gumbel"}
 """Official ``nats_sample_strategy`` (their spelling) -> ``NatsConfig.sampler``."""
@@ -84,14 +84,8 @@ def config_from_official(config: Mapping[str, Any], vocab_size: int | None = Non
     """
     if config.get("model_type", MODEL_TYPE) != MODEL_TYPE:
         _fail("model_type", config.get("model_type"), f"only {MODEL_TYPE!r} models convert")
-    defaults = {"attn_with_short_conv": False, "attn_qk_norm": False,
-                "decay_for_non_gdn_blocks": False, "ops_for_incomplete_chunks": "all",
-                "incomplete_block_start_with_ht": True, "nats_block_agg_type": "mean",
-                "n_ops": 2, "use_gate": True, "use_short_conv": True, "conv_bias": False,
-                "allow_neg_eigval": False, "hidden_act": "swish",
-                "attn_max_position_embeddings": None}  # the official config class's
-    for key, (wanted, why) in UNSUPPORTED.items():
-        value = config.get(key, defaults[key])
+    for key, (wanted, default, why) in UNSUPPORTED.items():
+        value = config.get(key, default)
         if value != wanted:
             _fail(key, value, f"only {wanted!r} converts ({why})")
     heads = int(config.get("num_heads", 6))
@@ -300,26 +294,11 @@ def load_official(folder: str | os.PathLike) -> tuple[NatsConfig, dict[str, torc
 def model_from_official(folder: str | os.PathLike) -> NatsForCausalLM:
     """Our model holding an official checkpoint's weights (in their dtype)."""
     cfg, state = load_official(folder)
-    model = NatsForCausalLM(cfg).to(state["embed.weight"].dtype)
-    if cfg.tie_embeddings:
-        state["lm_head.weight"] = state["embed.weight"]
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as e:  # a tensor shaped unlike its config says
-        reason = " ".join(str(e).split())
-        raise ValueError(f"{folder}: the weights do not match config.json: {reason[:300]}") \
-            from None
-    return model
+    return NatsForCausalLM.from_state(cfg, state, f"{folder} (converted)")
 
 
 def save_official(model: NatsForCausalLM, folder: str | os.PathLike) -> None:
     """Write ``model`` as an official model folder (``config.json``, ``model.safetensors``)
     that the official code's ``AutoModelForCausalLM.from_pretrained`` reads."""
-    from safetensors.torch import save
-
-    folder = Path(folder)
-    config = config_to_official(model.config)
-    state = state_to_official({k: v.detach() for k, v in model.state_dict().items()},
-                              model.config)  # without lm_head where tied (``_names``)
-    atomic_write_bytes(folder / "config.json", (json.dumps(config, indent=2) + "\n").encode())
-    atomic_write_bytes(folder / "model.safetensors", save(state, metadata={"format": "pt"}))
+    state = state_to_official(model.state_dict(), model.config)  # no lm_head where tied
+    write_model_files(Path(folder), config_to_official(model.config), state)
