@@ -3,9 +3,9 @@
     python experiments/official_parity.py --official-src PATH/src --out runs/parity   # a GPU
 
 ``PATH`` is a checkout of automl/NeuralAttentionSearchLinear (not vendored here), and
-flash-linear-attention (``fla``) must be importable: 0.4.1 or later, although the official
-setup.py pins 0.4.0, whose ``chunk_scaled_dot_kkt_fwd`` lacks the ``gk`` argument the
-official kernels pass; and transformers 4.x (with 5.17 every official case failed:
+flash-linear-attention (``fla``) must be importable: 0.4.2 or later, although the official
+setup.py pins 0.4.0: the official kernels pass ``gk`` to ``chunk_scaled_dot_kkt_fwd``,
+which 0.4.0 and 0.4.1 lack; and transformers 4.x (with 5.17 every official case failed:
 "'list' object has no attribute 'keys'"). The official package is also called ``nats``, so
 each side runs in a process of its own:
 
@@ -32,6 +32,7 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 CASES = {
@@ -45,24 +46,25 @@ CASES = {
                  num_hidden_layers=2, gdn_layers=[0], nats_block_size=64, vocab_size=512,
                  attn_qk_norm=True, attn_with_short_conv=True, decay_for_non_gdn_blocks=True,
                  attn_apply_pos_encoding=True, tie_word_embeddings=False, norm_eps=1e-6),
-    # Chunks of 32, one softmax head per routing head, every layer NAtS-L.
-    "chunk32": dict(hidden_size=128, num_heads=2, head_dim=32, expand_v=2, num_attn_heads=2,
-                    num_hidden_layers=2, gdn_layers=[], nats_block_size=32, vocab_size=256,
-                    attn_qk_norm=True, attn_with_short_conv=True,
-                    decay_for_non_gdn_blocks=True, attn_apply_pos_encoding=False,
-                    tie_word_embeddings=True, norm_eps=1e-6),
+    # Chunks of 128 (the official kernels take 64 and up), one softmax head per routing
+    # head, every layer NAtS-L.
+    "chunk128": dict(hidden_size=128, num_heads=2, head_dim=32, expand_v=2, num_attn_heads=2,
+                     num_hidden_layers=2, gdn_layers=[], nats_block_size=128, vocab_size=256,
+                     attn_qk_norm=True, attn_with_short_conv=True,
+                     decay_for_non_gdn_blocks=True, attn_apply_pos_encoding=False,
+                     tie_word_embeddings=True, norm_eps=1e-6),
 }
-LENGTHS = (256, 200)
-"""Whole chunks, and a last chunk cut short."""
+LENGTHS = (512, 456)
+"""Whole chunks, and a last chunk cut short (for chunks of 64 and of 128)."""
 
 
 def official_side(out: Path) -> None:
     for name, kwargs in CASES.items():
         try:
             _official_case(out / name, kwargs)
-        except Exception as e:  # a case the official code refuses: report it, go on
+        except Exception:  # a case the official code refuses: report it, go on
             (out / name).mkdir(parents=True, exist_ok=True)
-            (out / name / "case.error").write_text(f"{type(e).__name__}: {e}")
+            (out / name / "case.error").write_text(traceback.format_exc())
         print(f"official: {name} done", flush=True)
 
 
@@ -104,8 +106,8 @@ def _official_case(folder: Path, kwargs: dict) -> None:
             try:
                 with torch.no_grad():
                     logits = model(input_ids=ids, use_cache=False).logits.float()
-            except Exception as e:  # a case the official kernels refuse: report it
-                (folder / f"{dtype}-{t}.error").write_text(f"{type(e).__name__}: {e}")
+            except Exception:  # a case the official kernels refuse: report it
+                (folder / f"{dtype}-{t}.error").write_text(traceback.format_exc())
                 continue
             save_file({"ids": ids.cpu(), "logits": logits.cpu(),
                        **{k: v.cpu().contiguous() for k, v in records.items()}},
@@ -124,7 +126,7 @@ def ours_side(out: Path, tie: float) -> list[dict]:
         folder = out / name
         if (folder / "case.error").exists():
             report.append({"case": name,
-                           "official_error": (folder / "case.error").read_text()[:300]})
+                           "official_error": (folder / "case.error").read_text()[-600:]})
             continue
         converted = model_from_official(folder / "model").float()
         models = {}
@@ -138,7 +140,7 @@ def ours_side(out: Path, tie: float) -> list[dict]:
                 row = {"case": name, "official_dtype": dtype, "T": t}
                 error = folder / f"{dtype}-{t}.error"
                 if error.exists():
-                    report.append({**row, "official_error": error.read_text()[:300]})
+                    report.append({**row, "official_error": error.read_text()[-600:]})
                     continue
                 ref = load_file(str(folder / f"{dtype}-{t}.safetensors"))
                 ids = ref["ids"].to(device)
