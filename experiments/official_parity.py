@@ -3,10 +3,11 @@
     python experiments/official_parity.py --official-src PATH/src --out runs/parity   # a GPU
 
 ``PATH`` is a checkout of automl/NeuralAttentionSearchLinear (not vendored here), and
-flash-linear-attention (``fla``) must be importable: 0.4.2 or later, although the official
-setup.py pins 0.4.0: the official kernels pass ``gk`` to ``chunk_scaled_dot_kkt_fwd``,
-which 0.4.0 and 0.4.1 lack; and transformers 4.x (with 5.17 every official case failed:
-"'list' object has no attribute 'keys'"). The official package is also called ``nats``, so
+flash-linear-attention (``fla``) must be importable (0.4.2 was used; the official setup.py
+pins 0.4.0). The official kernels pass ``gk=None`` to two fla functions that no fla release
+accepts it in, so the official side wraps them to drop it (``_accept_gk_none``).
+transformers must be 4.x (with 5.17 every official case failed: "'list' object has no
+attribute 'keys'"). The official package is also called ``nats``, so
 each side runs in a process of its own:
 
 1. ``--side official``: with the official source first on the path, build the official
@@ -58,7 +59,32 @@ LENGTHS = (512, 456)
 """Whole chunks, and a last chunk cut short (for chunks of 64 and of 128)."""
 
 
+def _accept_gk_none() -> None:
+    """Let fla's released functions take the ``gk=None`` the official kernels pass.
+
+    The official code calls ``chunk_scaled_dot_kkt_fwd`` and ``recompute_w_u_fwd`` with a
+    per-key gate ``gk`` that no fla release (0.4.0 to 0.5.0) accepts; a NAtS-L layer's
+    gate is per head, so it passes None. Patched before the official modules bind the names.
+    """
+    import functools
+
+    import fla.ops.common.chunk_scaled_dot_kkt as kkt
+    import fla.ops.gated_delta_rule.wy_fast as wy
+
+    def drop_gk(fn):
+        @functools.wraps(fn)
+        def call(*args, gk=None, **kwargs):
+            if gk is not None:
+                raise NotImplementedError("a per-key gate: no fla release computes it")
+            return fn(*args, **kwargs)
+        return call
+
+    kkt.chunk_scaled_dot_kkt_fwd = drop_gk(kkt.chunk_scaled_dot_kkt_fwd)
+    wy.recompute_w_u_fwd = drop_gk(wy.recompute_w_u_fwd)
+
+
 def official_side(out: Path) -> None:
+    _accept_gk_none()
     for name, kwargs in CASES.items():
         try:
             _official_case(out / name, kwargs)
