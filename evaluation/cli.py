@@ -119,7 +119,8 @@ def eval_command(args: argparse.Namespace) -> int:
                    for ids, labels in build_batches(slices[0]).calibration(args.batches)]
         try:
             layers = (split_budget(loaded.model, batches, fractions[0],
-                                   unit="head" if args.calibrate_scope == "head" else "layer")
+                                   unit="head" if args.calibrate_scope == "head" else "layer",
+                                   progress=True)
                       if args.calibrate_scope in ("model", "head") else
                       calibrate_budget(loaded.model, [ids for ids, _ in batches],
                                        fractions[0] if len(fractions) == 1 else fractions))

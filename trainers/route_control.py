@@ -6,12 +6,14 @@ exactly as an uninterrupted one (the budget's biases are buffers saved with the 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from nats import NatsForCausalLM
 
@@ -104,12 +106,13 @@ def calibrate_budget(model: NatsForCausalLM, batches: Sequence[torch.Tensor],
     else:
         _check_fraction(target, closed=False)
         targets = [float(target)] * len(layers)
-    return _calibrate(model, layers, batches, targets)
+    return _calibrate(model, _Scores(model, layers, batches), targets)
 
 
 @torch.no_grad()
 def split_budget(model: NatsForCausalLM, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                 target: float, levels: int = 2, unit: str = "layer") -> list[Calibration]:
+                 target: float, levels: int = 2, unit: str = "layer",
+                 progress: bool = False) -> list[Calibration]:
     """Calibrate the routing biases so that the layers' shares average ``target``, split
     among the layers (``unit="layer"``) or among every layer's heads (``"head"``) where it
     lowers the loss on ``batches`` (input ids, labels).
@@ -133,33 +136,43 @@ def split_budget(model: NatsForCausalLM, batches: Sequence[tuple[torch.Tensor, t
     if unit not in ("layer", "head"):
         raise ValueError(f"unit must be 'layer' or 'head', got {unit!r}")
     ids = [x for x, _ in batches]
-    layers = _calibration_layers(model, ids)
+    scores = _Scores(model, _calibration_layers(model, ids), ids)
+    n_layers = len(scores.layers)
     heads = model.config.n_heads if unit == "head" else 1
-    shares = [float(target)] * (len(layers) * heads)
+    shares = [float(target)] * (n_layers * heads)
 
     def targets(flat: list[float]) -> list[float | list[float]]:
         if unit == "layer":
             return list(flat)
-        return [flat[i * heads:(i + 1) * heads] for i in range(len(layers))]
+        return [flat[i * heads:(i + 1) * heads] for i in range(n_layers)]
 
-    best = _calibrated_loss(model, layers, batches, targets(shares))
+    def loss(flat: list[float]) -> float:
+        """The evaluation's mean next-token loss over the labelled tokens of ``batches``
+        (``eval/ce``) with the layers calibrated to ``flat``."""
+        _calibrate(model, scores, targets(flat))
+        return evaluate(model, list(batches), ids[0].device).metrics["eval/ce"]
+
+    best = loss(shares)
     step = target / 2
-    for _ in range(levels):
-        while True:
-            moves = [(i, j) for i in range(len(shares)) for j in range(len(shares))
-                     if i != j and shares[i] - step >= 0 and shares[j] + step <= 1]
-            tried = []
-            for i, j in moves:
-                candidate = list(shares)
-                candidate[i] -= step
-                candidate[j] += step
-                tried.append((_calibrated_loss(model, layers, batches, targets(candidate)),
-                              candidate))
-            if not tried or min(tried)[0] >= best:
-                break
-            best, shares = min(tried)
-        step /= 2
-    return _calibrate(model, layers, ids, targets(shares))
+    with tqdm(desc="nats: splitting the budget", unit="split", dynamic_ncols=True,
+              disable=not progress) as bar:
+        for _ in range(levels):
+            while True:
+                moves = [(i, j) for i in range(len(shares)) for j in range(len(shares))
+                         if i != j and shares[i] - step >= 0 and shares[j] + step <= 1]
+                tried = []
+                for i, j in moves:
+                    candidate = list(shares)
+                    candidate[i] -= step
+                    candidate[j] += step
+                    tried.append((loss(candidate), candidate))
+                    bar.update()
+                    bar.set_postfix(step=f"{step:g}", loss=f"{best:.4f}")
+                if not tried or min(tried)[0] >= best:
+                    break
+                best, shares = min(tried)
+            step /= 2
+    return _calibrate(model, scores, targets(shares))
 
 
 def _check_fraction(value: Any, closed: bool) -> None:
@@ -181,26 +194,17 @@ def _calibration_layers(model: NatsForCausalLM, batches: Sequence[Any],
     return layers
 
 
-def _calibrate(model: NatsForCausalLM, layers: list[tuple[int, torch.nn.Module]],
-               batches: Sequence[torch.Tensor],
+def _calibrate(model: NatsForCausalLM, scores: _Scores,
                targets: Sequence[float | Sequence[float]]) -> list[Calibration]:
-    """Each layer to its target: one share for all its heads (one bias, over their pooled
-    scores), or a share per head (a bias each)."""
+    """Each layer to its target, first to last: one share for all its heads (one bias, over
+    their pooled scores), or a share per head (a bias each)."""
     was_training = model.training
     model.eval()
     out = []
     try:
-        for (index, layer), target in zip(layers, targets, strict=True):
-            old_bias = layer.budget.route_bias.clone()
-            layer.budget.route_bias.zero_()  # the hook then sees z itself
-            try:
-                z = _routable_scores(model, layer.budget, batches)
-                if z.numel() == 0:
-                    raise ValueError("the calibration batches hold no sequence of more than "
-                                     "one chunk")
-            except BaseException:
-                layer.budget.route_bias.copy_(old_bias)
-                raise
+        for position, ((index, layer), target) in enumerate(
+                zip(scores.layers, targets, strict=True)):
+            z = scores.of(position, targets[:position])
             # The route is the argmax of [z + bias, 0]: a tie goes to softmax (index 0).
             if isinstance(target, Sequence):
                 z = z.view(-1, layer.budget.route_bias.numel())
@@ -219,16 +223,6 @@ def _calibrate(model: NatsForCausalLM, layers: list[tuple[int, torch.nn.Module]]
     return out
 
 
-def _calibrated_loss(model: NatsForCausalLM, layers: list[tuple[int, torch.nn.Module]],
-                     batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                     shares: Sequence[float | Sequence[float]]) -> float:
-    """The evaluation's mean next-token loss over the labelled tokens of ``batches``
-    (``eval/ce``) with the layers calibrated to ``shares`` (on the same batches' ids)."""
-    ids = [x for x, _ in batches]
-    _calibrate(model, layers, ids, shares)
-    return evaluate(model, list(batches), ids[0].device).metrics["eval/ce"]
-
-
 def _threshold(z: torch.Tensor, target: float) -> float:
     """The bias that sends the ``round(target * n)`` largest of ``n`` scores to softmax:
     minus the midpoint between that score and the next (sorting, as ``torch.quantile``
@@ -242,23 +236,53 @@ def _threshold(z: torch.Tensor, target: float) -> float:
     return -float(ranked[k - 1] + ranked[k]) / 2
 
 
-def _routable_scores(model: NatsForCausalLM, budget: torch.nn.Module,
-                     batches: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The routing scores (``out[..., 0]``: ``z`` plus the bias) of every routable chunk
-    and head that ``budget`` gives while ``model`` runs ``batches``."""
-    scores: list[torch.Tensor] = []
+class _StopForward(Exception):
+    """Raised by the score hook: the layers after the one calibrated need not run."""
 
-    def keep(module: torch.nn.Module, _: Any, out: torch.Tensor) -> None:
-        # A sequence's last chunk is not routable (no query sees its route).
-        scores.append(out[:, :-1, :, 0].flatten().float().cpu())
 
-    handle = budget.register_forward_hook(keep)
-    try:
-        for ids in batches:
-            model(ids)
-    finally:
-        handle.remove()
-    return torch.cat(scores) if scores else torch.empty(0)
+class _Scores:
+    """The routing scores ``z`` (the bias left out) of every routable chunk and head of each
+    budgeted layer on the calibration batches, memoised. Layer ``i``'s scores depend only on
+    the targets of the layers before it (its own bias acts after its scorer), so they are
+    computed once for each distinct prefix of targets, by a forward pass that stops right
+    after layer ``i``'s scorer. Valid while the weights stay as they are: one per search.
+
+    Reading layer ``i`` needs the earlier layers' biases set for that prefix, as
+    :func:`_calibrate` does, going first to last."""
+
+    def __init__(self, model: NatsForCausalLM, layers: list[tuple[int, torch.nn.Module]],
+                 batches: Sequence[torch.Tensor]) -> None:
+        self.model, self.layers, self.batches = model, layers, batches
+        self._memo: dict[tuple[int, str], torch.Tensor] = {}
+
+    def of(self, position: int, earlier: Sequence[float | Sequence[float]]) -> torch.Tensor:
+        key = (position, repr([t if isinstance(t, float) else list(t) for t in earlier]))
+        if key not in self._memo:
+            self._memo[key] = self._read(self.layers[position][1].budget)
+        return self._memo[key]
+
+    def _read(self, budget: torch.nn.Module) -> torch.Tensor:
+        scores: list[torch.Tensor] = []
+
+        def keep(module: torch.nn.Module, _: Any, out: torch.Tensor) -> None:
+            # A sequence's last chunk is not routable (no query sees its route).
+            scores.append(out[:, :-1, :, 0].flatten().float().cpu())
+            raise _StopForward
+
+        bias = budget.route_bias.clone()
+        budget.route_bias.zero_()  # the hook then sees z itself
+        handle = budget.register_forward_hook(keep)
+        try:
+            for ids in self.batches:
+                with contextlib.suppress(_StopForward):
+                    self.model(ids)
+        finally:
+            handle.remove()
+            budget.route_bias.copy_(bias)
+        z = torch.cat(scores) if scores else torch.empty(0)
+        if z.numel() == 0:
+            raise ValueError("the calibration batches hold no sequence of more than one chunk")
+        return z
 
 
 def budgeted_layers(model: NatsForCausalLM) -> list[tuple[int, torch.nn.Module]]:

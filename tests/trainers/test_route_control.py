@@ -12,7 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from nats import NatsConfig, NatsForCausalLM
 from nats.kernels import SOFTMAX
 from nats.model import IGNORE_INDEX, next_token_cross_entropy
-from nats.trainers import train
+from nats.trainers import route_control, train
 from nats.trainers.evaluation import RoutingPrecision, informative_chunks, question_positions
 from nats.trainers.optim import build_optimizer, set_lr
 from nats.trainers.route_control import (
@@ -291,6 +291,32 @@ def test_split_budget_among_heads_finds_a_split_no_move_improves() -> None:
             moved[j] += 0.0625
             if i != j and min(moved) >= 0 and max(moved) <= 1:
                 assert loss <= _loss_per_head(model, batches, [moved[:2], moved[2:]])
+
+
+def test_split_budget_reads_a_layers_scores_once_per_split_of_the_layers_before(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    model, batches = _scored_model(), _labelled(3)
+    calls = {"first": 0, "second": 0, "logits": 0}
+    for name, module in (("first", model.nats_layers[0].budget),
+                         ("second", model.nats_layers[1].budget), ("logits", model.lm_head)):
+        module.register_forward_hook(
+            lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
+    first_layer_splits: set[str] = set()
+    calibrate = route_control._calibrate
+
+    def spy(model, scores, targets):
+        first_layer_splits.add(repr(targets[0]))
+        return calibrate(model, scores, targets)
+
+    monkeypatch.setattr(route_control, "_calibrate", spy)
+    split_budget(model, batches, 0.25, levels=2, unit="head")
+    passes = calls["logits"]  # a whole pass per batch and loss evaluated
+    assert passes > 0 and passes % len(batches) == 0 and len(first_layer_splits) > 1
+    # The first layer's scores are read once, the second's once per first-layer split (a
+    # pass that reads the second layer's goes through the first and stops after it).
+    reads = len(batches) * len(first_layer_splits)
+    assert calls["second"] - passes == reads
+    assert calls["first"] - passes == len(batches) + reads
 
 
 def test_a_bias_saved_as_one_number_per_layer_loads_into_every_head() -> None:
