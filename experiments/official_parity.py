@@ -23,7 +23,9 @@ each side runs in a process of its own:
    decisions differ, counting apart those whose two logits are within ``--tie`` of
    each other.
 
-Writes ``report.json`` to ``--out`` and prints one line per case and precision.
+Writes ``report.json`` to ``--out`` and prints one line per case and precision. The
+official side compiles its kernels for minutes per case on a cold machine; a case it
+finished is not run again, so a run cut short resumes with the same ``--out``.
 """
 
 from __future__ import annotations
@@ -83,14 +85,18 @@ def _accept_gk_none() -> None:
     wy.recompute_w_u_fwd = drop_gk(wy.recompute_w_u_fwd)
 
 
-def official_side(out: Path) -> None:
+def official_side(out: Path, cases: list[str]) -> None:
     _accept_gk_none()
-    for name, kwargs in CASES.items():
+    for name in cases:
+        if (out / name / "done").exists():  # a run cut short resumes where it stopped
+            print(f"official: {name} already done", flush=True)
+            continue
         try:
-            _official_case(out / name, kwargs)
+            _official_case(out / name, CASES[name])
         except Exception:  # a case the official code refuses: report it, go on
             (out / name).mkdir(parents=True, exist_ok=True)
             (out / name / "case.error").write_text(traceback.format_exc())
+        (out / name / "done").touch()
         print(f"official: {name} done", flush=True)
 
 
@@ -140,7 +146,7 @@ def _official_case(folder: Path, kwargs: dict) -> None:
                       str(folder / f"{dtype}-{t}.safetensors"))
 
 
-def ours_side(out: Path, tie: float) -> list[dict]:
+def ours_side(out: Path, tie: float, cases: list[str]) -> list[dict]:
     import torch
     from safetensors.torch import load_file
 
@@ -148,7 +154,7 @@ def ours_side(out: Path, tie: float) -> list[dict]:
     from nats.official import model_from_official
 
     report = []
-    for name in CASES:
+    for name in cases:
         folder = out / name
         if (folder / "case.error").exists():
             report.append({"case": name,
@@ -213,10 +219,12 @@ def main() -> None:
     p.add_argument("--tie", type=float, default=0.05,
                    help="route logits closer than this are a tie that bf16 may break "
                         "either way")
+    p.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES),
+                   help="which cases to run (default all)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.side == "official":
-        official_side(args.out)
+        official_side(args.out, args.cases)
         return
     if args.side == "both":
         if args.official_src is None:
@@ -227,8 +235,9 @@ def main() -> None:
                 "PYTHONPATH", "").split(os.pathsep) if x and Path(x).resolve()
                 != here.parents[1]]])}
         subprocess.run([sys.executable, str(here), "--side", "official", "--out",
-                        str(args.out.resolve())], env=env, cwd="/", check=True)
-    report = ours_side(args.out, args.tie)
+                        str(args.out.resolve()), "--cases", *args.cases], env=env, cwd="/",
+                       check=True)
+    report = ours_side(args.out, args.tie, args.cases)
     (args.out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
 
 
