@@ -10,6 +10,7 @@ docs/NATSL.md); here: shapes, the round trip, the per-branch merge weights, refu
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -289,3 +290,36 @@ def test_cli_converts_both_ways_with_one_line_errors(tmp_path, capsys):
     assert err.count("\n") == 1 and "scorer_norm" in err
     assert main(["convert", "from-official", str(official), "--out", str(tmp_path / "ours")]) == 2
     assert "not empty" in capsys.readouterr().err
+
+
+def test_parity_script_compares_a_converted_folder_with_the_official_outputs(
+        tmp_path, monkeypatch):
+    """experiments/official_parity.py's comparison side, fed official outputs made from this
+    model itself (on the GPU they come from the official code): no error, no route flip."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "experiments"))
+    import official_parity
+
+    monkeypatch.setattr(official_parity, "LENGTHS", (50, 37))
+    torch.manual_seed(3)
+    model = NatsForCausalLM(config_from_official(TINY, vocab_size=40)).eval()
+    save_official(model, tmp_path / "tiny" / "model")
+    for dtype in ("float32", "bfloat16"):
+        for t in official_parity.LENGTHS:
+            ids = torch.randint(0, 40, (2, t))
+            with torch.no_grad():
+                out = model(ids)
+            routes = {f"routes{i}": r.float().contiguous() for i, r in enumerate(out.routes)
+                      if r is not None}
+            logits = {f"logits{i}": 2 * r - 1 for i, r in
+                      ((k[6:], v) for k, v in routes.items())}
+            save_file({"ids": ids, "logits": out.logits.float(), **routes, **logits},
+                      str(tmp_path / "tiny" / f"{dtype}-{t}.safetensors"))
+    report = official_parity.ours_side(tmp_path, 0.05, ["tiny"])
+    assert [(r["official_dtype"], r["T"]) for r in report] == [
+        ("float32", 50), ("float32", 37), ("bfloat16", 50), ("bfloat16", 37)]
+    for row in report:
+        assert row["backend"] == "reference" and row["route_decisions"] > 0
+        if row["official_dtype"] == "float32":
+            assert row["max_abs_error"] == 0 and row["route_flips"] == 0
+        else:  # autocast on the CPU: rounding, the scale the report sets beside it
+            assert 0 < row["mean_abs_error"] < 10 * row["own_bf16_mean_abs_error"] + 1e-3
