@@ -117,6 +117,10 @@ def eval_command(args: argparse.Namespace) -> int:
     if args.calibrate_budget is not None:
         batches = [(ids.to(device), labels.to(device))
                    for ids, labels in build_batches(slices[0]).calibration(args.batches)]
+        if args.calibrate_scope in ("model", "head"):
+            print(f"nats: splitting {fractions[0]:g} among the "
+                  f"{'heads' if args.calibrate_scope == 'head' else 'layers'} by the loss on "
+                  f"{len(batches)} batches (a loss pass per split tried)", flush=True)
         try:
             layers = (split_budget(loaded.model, batches, fractions[0],
                                    unit="head" if args.calibrate_scope == "head" else "layer",

@@ -155,7 +155,7 @@ def split_budget(model: NatsForCausalLM, batches: Sequence[tuple[torch.Tensor, t
     best = loss(shares)
     step = target / 2
     with tqdm(desc="nats: splitting the budget", unit="split", dynamic_ncols=True,
-              disable=not progress) as bar:
+              disable=None if progress else True) as bar:  # None: no bar in a pipe
         for _ in range(levels):
             while True:
                 moves = [(i, j) for i in range(len(shares)) for j in range(len(shares))

@@ -188,6 +188,7 @@ def test_cli_splits_a_model_wide_budget_among_the_heads(tmp_path: Path, capsys) 
     argv, out = _ranked_budgeted_model(tmp_path)
     assert main([*argv, "0.25", "--calibrate-scope", "head"]) == 0
     printed = capsys.readouterr().out
+    assert "splitting 0.25 among the heads by the loss on 2 batches" in printed
     assert "biases to 0.25 on average over the heads on mqar seq_len=128" in printed
     found = re.findall(r"layer (\d) head (\d) bias -?\d\.\d+ share (\d\.\d+)", printed)
     assert [(int(i), int(h)) for i, h, _ in found] == [(0, 0), (0, 1), (1, 0), (1, 1)]
