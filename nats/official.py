@@ -19,7 +19,6 @@ SiLU output gate, both branches normalised, no softmax gain, plain Gated DeltaNe
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -271,7 +270,10 @@ def load_official(folder: str | os.PathLike) -> tuple[NatsConfig, dict[str, torc
     config = read_json_object(config_file)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map object (tensor name -> file)")
+        shards = sorted(set(weight_map.values()))
     elif (folder / "model.safetensors").is_file():
         shards = ["model.safetensors"]
     elif any(folder.glob("*.bin")) or any(folder.glob("*.pt")):

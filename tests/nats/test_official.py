@@ -257,6 +257,11 @@ def test_pickled_weights_are_refused_and_sharded_safetensors_read(tmp_path):
         {"weight_map": {k: name for name, part in halves.items() for k in part}}))
     cfg, ours = load_official(tmp_path)
     assert cfg.vocab_size == 40 and torch.equal(ours["lm_head.weight"], state["lm_head.weight"])
+    for broken, message in (("{", "is not valid JSON"), ("[]", "must hold a JSON object"),
+                            ("{}", "has no weight_map")):
+        (tmp_path / "model.safetensors.index.json").write_text(broken)
+        with pytest.raises(ValueError, match=message):
+            load_official(tmp_path)
 
 
 def test_a_missing_or_extra_tensor_is_named():
@@ -308,12 +313,12 @@ def test_parity_script_compares_a_converted_folder_with_the_official_outputs(
             ids = torch.randint(0, 40, (2, t))
             with torch.no_grad():
                 out = model(ids)
-            routes = {f"routes{i}": r.float().contiguous() for i, r in enumerate(out.routes)
-                      if r is not None}
-            logits = {f"logits{i}": 2 * r - 1 for i, r in
-                      ((k[6:], v) for k, v in routes.items())}
-            save_file({"ids": ids, "logits": out.logits.float(), **routes, **logits},
-                      str(tmp_path / "tiny" / f"{dtype}-{t}.safetensors"))
+            records = {"ids": ids, "logits": out.logits.float()}
+            for i, routes in enumerate(out.routes):
+                if routes is not None:  # routing logits two apart: no decision is a tie
+                    records[f"routes{i}"] = routes.float().contiguous()
+                    records[f"logits{i}"] = 2 * records[f"routes{i}"] - 1
+            save_file(records, str(tmp_path / "tiny" / f"{dtype}-{t}.safetensors"))
     report = official_parity.ours_side(tmp_path, 0.05, ["tiny"])
     assert [(r["official_dtype"], r["T"]) for r in report] == [
         ("float32", 50), ("float32", 37), ("bfloat16", 50), ("bfloat16", 37)]
