@@ -256,7 +256,7 @@ class _Scores:
         self._memo: dict[tuple[int, str], torch.Tensor] = {}
 
     def of(self, position: int, earlier: Sequence[float | Sequence[float]]) -> torch.Tensor:
-        key = (position, repr([t if isinstance(t, float) else list(t) for t in earlier]))
+        key = (position, repr(list(earlier)))
         if key not in self._memo:
             self._memo[key] = self._read(self.layers[position][1].budget)
         return self._memo[key]
