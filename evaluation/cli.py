@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from pathlib import Path
 
@@ -58,6 +59,12 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "it lowers the loss on the calibration batches (a search of a few "
                         "passes per move between two layers); 'head' splits it the same way "
                         "among every layer's heads")
+    p.add_argument("--share-price", type=float, default=0.0, metavar="NATS",
+                   help="with --calibrate-scope model or head: what a unit of model-wide "
+                        "share must buy in loss (nats per token); the split then gives "
+                        "back the share whose routes buy less, down to the least "
+                        "loss + NATS * share along the way (default 0: only share whose "
+                        "routes do not lower the loss)")
     p.add_argument("--save-model", type=Path, metavar="DIR",
                    help="with --calibrate-budget: also save the calibrated model to DIR (a "
                         "new or empty folder)")
@@ -92,6 +99,10 @@ def eval_command(args: argparse.Namespace) -> int:
             and len(fractions) > 1:
         raise ValueError(f"--calibrate-scope {args.calibrate_scope} splits one fraction: "
                          "give one")
+    if args.share_price != 0.0 and args.calibrate_scope not in ("model", "head"):
+        raise ValueError("--share-price prices a split: give --calibrate-scope model or head")
+    if not 0 <= args.share_price < math.inf:
+        raise ValueError(f"--share-price must be a number >= 0, got {args.share_price:g}")
     if args.save_model is not None:
         if args.calibrate_budget is None:
             raise ValueError("--save-model saves a calibrated model: give --calibrate-budget")
@@ -121,19 +132,33 @@ def eval_command(args: argparse.Namespace) -> int:
             print(f"nats: splitting {fractions[0]:g} among the "
                   f"{'heads' if args.calibrate_scope == 'head' else 'layers'} by the loss on "
                   f"{len(batches)} batches (a loss pass per split tried)", flush=True)
+        path: list[tuple[list[float], float]] = []
         try:
             layers = (split_budget(loaded.model, batches, fractions[0],
                                    unit="head" if args.calibrate_scope == "head" else "layer",
-                                   progress=True)
+                                   price=args.share_price, progress=True,
+                                   on_split=lambda shares, loss: path.append((shares, loss)))
                       if args.calibrate_scope in ("model", "head") else
                       calibrate_budget(loaded.model, [ids for ids, _ in batches],
                                        fractions[0] if len(fractions) == 1 else fractions))
         except ValueError as error:  # what the model or the slice cannot calibrate
             raise ValueError(f"--calibrate-budget: {error}") from None
-        scope = (" on average over the layers" if args.calibrate_scope == "model" else
-                 " on average over the heads" if args.calibrate_scope == "head" else
-                 " per layer" if len(fractions) > 1 else "")
-        where = f"{' '.join(f'{f:g}' for f in fractions)}{scope} on {slice_name(slices[0])}"
+        if path:  # a split: it may have given share back
+            kept = [c.target for c in layers]
+            full = max(i for i, (shares, _) in enumerate(path)
+                       if sum(shares) / len(shares) >= fractions[0] - 1e-9)
+            loss = next(value for shares, value in reversed(path) if shares == kept)
+            mean = sum(kept) / len(kept)
+            print(f"nats: the split of {fractions[0]:g} has loss {path[full][1]:.4g} on the "
+                  f"calibration batches; it kept {mean:.4g}, loss {loss:.4g} (--share-price "
+                  f"{args.share_price:g})")
+            where = (f"{mean:.4g} on average over the "
+                     f"{'heads' if args.calibrate_scope == 'head' else 'layers'} (a split of "
+                     f"{fractions[0]:g} at share price {args.share_price:g})")
+        else:
+            where = " ".join(f"{f:g}" for f in fractions) + (" per layer" if len(fractions) > 1
+                                                           else "")
+        where += f" on {slice_name(slices[0])}"
         print(f"nats: calibrated the routing biases to {where}: " + ", ".join(
             f"layer {c.layer}{'' if c.head is None else f' head {c.head}'} bias {c.bias:.3f} "
             f"share {c.share:.3f}" for c in layers))

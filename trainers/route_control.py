@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,10 +82,11 @@ class Calibration:
 
 @torch.no_grad()
 def calibrate_budget(model: NatsForCausalLM, batches: Sequence[torch.Tensor],
-                     target: float | Sequence[float]) -> list[Calibration]:
+                     target: float | Sequence[float | Sequence[float]]) -> list[Calibration]:
     """Set every budgeted NAtS-L layer's routing bias so that it sends ``target`` of the
     routable chunks of ``batches`` (input ids) to softmax: one fraction in (0, 1) for every
-    layer, or one fraction in [0, 1] per layer, first to last.
+    layer, or per layer, first to last, one fraction in [0, 1] or one per head (a split
+    that :func:`split_budget` found, applied to other batches).
 
     The budget's controller holds the share on the training batches; data with other
     content routes another share (a recall model trained on a mixture of 8-32 pairs routed
@@ -100,9 +101,18 @@ def calibrate_budget(model: NatsForCausalLM, batches: Sequence[torch.Tensor],
         if len(target) != len(layers):
             raise ValueError(f"{len(target)} calibration targets for {len(layers)} budgeted "
                              "NAtS-L layers")
-        for t in target:
-            _check_fraction(t, closed=True)
-        targets = [float(t) for t in target]
+        targets: list[float | list[float]] = []
+        for t, (_, layer) in zip(target, layers, strict=True):
+            if isinstance(t, Sequence):
+                if len(t) != layer.budget.route_bias.numel():
+                    raise ValueError(f"{len(t)} calibration targets for the "
+                                     f"{layer.budget.route_bias.numel()} heads of a layer")
+                for head in t:
+                    _check_fraction(head, closed=True)
+                targets.append([float(head) for head in t])
+            else:
+                _check_fraction(t, closed=True)
+                targets.append(float(t))
     else:
         _check_fraction(target, closed=False)
         targets = [float(target)] * len(layers)
@@ -111,16 +121,18 @@ def calibrate_budget(model: NatsForCausalLM, batches: Sequence[torch.Tensor],
 
 @torch.no_grad()
 def split_budget(model: NatsForCausalLM, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                 target: float, levels: int = 2, unit: str = "layer",
-                 progress: bool = False) -> list[Calibration]:
-    """Calibrate the routing biases so that the layers' shares average ``target``, split
-    among the layers (``unit="layer"``) or among every layer's heads (``"head"``) where it
-    lowers the loss on ``batches`` (input ids, labels).
+                 target: float, levels: int = 2, unit: str = "layer", price: float = 0.0,
+                 progress: bool = False,
+                 on_split: Callable[[list[float], float], None] | None = None,
+                 ) -> list[Calibration]:
+    """Calibrate the routing biases so that the layers' shares average at most ``target``,
+    split among the layers (``unit="layer"``) or among every layer's heads (``"head"``)
+    where it lowers the loss on ``batches`` (input ids, labels).
 
     A softmax route is not worth the same in every layer: in the 2-layer recall models of
     docs/RESULTS.md ("Where the budget goes") the first layer's keep the pairs and the
     second's can all go to linear at no cost, so an even split pays for routes that buy
-    nothing. Greedy: from every layer at ``target``, move a step of share from one layer to
+    nothing. Greedy: from every unit at ``target``, move a step of share from one unit to
     another while some move lowers the loss, the best move first; then halve the step,
     ``levels`` step sizes in all, from ``target / 2``. Each move tried costs a calibration
     and a loss pass over ``batches``. The split is a local optimum of the loss on these
@@ -129,17 +141,32 @@ def split_budget(model: NatsForCausalLM, batches: Sequence[tuple[torch.Tensor, t
     Per head: the heads of one layer may take different parts, one sending the pairs of a
     recall task to softmax and another the noise; at a small share the first can hold it
     all (docs/RESULTS.md, "The heads of a layer split the work").
+
+    Then the split gives share back. Once the task is solved the loss still falls a little
+    with every extra route, so the moves above spend the rest of ``target`` on filler
+    (docs/RESULTS.md, "The share split among heads, over seeds"). From the split found,
+    the finest step of share is taken back, one unit at a time, from the unit where that
+    raises the loss least, down to no share at all; of that path the split kept is the one
+    with the least ``loss + price * share`` (the least share on a tie), so a route must buy
+    ``price`` nats of loss (mean next-token loss) per unit of model-wide share. ``price=0``
+    gives back only share whose routes do not lower the loss. The path is read whole, not
+    cut at its first rise: the loss along it is not convex. ``on_split(shares, loss)``
+    sees the start and every split taken, in order: the search's path of cost and loss.
     """
     _check_fraction(target, closed=False)
     if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
         raise ValueError(f"levels must be an integer >= 1, got {levels!r}")
     if unit not in ("layer", "head"):
         raise ValueError(f"unit must be 'layer' or 'head', got {unit!r}")
+    if (isinstance(price, bool) or not isinstance(price, (int, float))
+            or not 0 <= price < math.inf):
+        raise ValueError(f"price must be a number >= 0, got {price!r}")
     ids = [x for x, _ in batches]
     scores = _Scores(model, _calibration_layers(model, ids), ids)
     n_layers = len(scores.layers)
     heads = model.config.n_heads if unit == "head" else 1
     shares = [float(target)] * (n_layers * heads)
+    step = target / 2
 
     def targets(flat: list[float]) -> list[float | list[float]]:
         if unit == "layer":
@@ -152,27 +179,66 @@ def split_budget(model: NatsForCausalLM, batches: Sequence[tuple[torch.Tensor, t
         _calibrate(model, scores, targets(flat))
         return evaluate(model, list(batches), ids[0].device).metrics["eval/ce"]
 
-    best = loss(shares)
-    step = target / 2
+    def swaps() -> list[list[float]]:
+        return [_moved(shares, i, -step, j, step) for i in range(len(shares))
+                for j in range(len(shares))
+                if i != j and shares[i] - step >= -_EPS and shares[j] + step <= 1 + _EPS]
+
+    def releases() -> list[list[float]]:
+        return [_moved(shares, i, -step) for i in range(len(shares)) if shares[i] - step >= -_EPS]
+
+    path: list[tuple[list[float], float]] = []
+
+    def take(flat: list[float], value: float) -> None:
+        path.append((flat, value))
+        if on_split is not None:
+            on_split(list(flat), value)
+
+    take(shares, loss(shares))
     with tqdm(desc="nats: splitting the budget", unit="split", dynamic_ncols=True,
               disable=None if progress else True) as bar:  # None: no bar in a pipe
-        for _ in range(levels):
+
+        def search(moves: Callable[[], list[list[float]]], better: bool) -> None:
+            """Take the best of ``moves()`` while there is one (with ``better``: while it
+            lowers the loss)."""
+            nonlocal shares
             while True:
-                moves = [(i, j) for i in range(len(shares)) for j in range(len(shares))
-                         if i != j and shares[i] - step >= 0 and shares[j] + step <= 1]
                 tried = []
-                for i, j in moves:
-                    candidate = list(shares)
-                    candidate[i] -= step
-                    candidate[j] += step
+                for candidate in moves():
                     tried.append((loss(candidate), candidate))
                     bar.update()
-                    bar.set_postfix(step=f"{step:g}", loss=f"{best:.4f}")
-                if not tried or min(tried)[0] >= best:
-                    break
-                best, shares = min(tried)
-            step /= 2
+                    bar.set_postfix(step=f"{step:g}", loss=f"{path[-1][1]:.4f}")
+                if not tried:
+                    return
+                value, shares_tried = min(tried, key=lambda t: t[0])
+                if better and value >= path[-1][1]:
+                    return
+                shares = shares_tried
+                take(shares, value)
+
+        for level in range(levels):
+            if level:
+                step /= 2
+            search(swaps, better=True)
+        swapped = len(path) - 1
+        search(releases, better=False)
+    cost = [value + price * sum(flat) / len(flat) for flat, value in path[swapped:]]
+    shares = path[swapped + max(i for i, c in enumerate(cost) if c == min(cost))][0]
     return _calibrate(model, scores, targets(shares))
+
+
+_EPS = 1e-12
+"""Slack for share arithmetic on steps that are not powers of two."""
+
+
+def _moved(shares: list[float], i: int, by: float, j: int | None = None,
+           back: float = 0.0) -> list[float]:
+    """``shares`` with ``by`` added at ``i`` (and ``back`` at ``j``), kept in [0, 1]."""
+    out = list(shares)
+    out[i] = min(1.0, max(0.0, out[i] + by))
+    if j is not None:
+        out[j] = min(1.0, max(0.0, out[j] + back))
+    return out
 
 
 def _check_fraction(value: Any, closed: bool) -> None:

@@ -173,11 +173,21 @@ def test_cli_splits_a_model_wide_budget_among_the_layers(tmp_path: Path, capsys)
     argv.append("0.25")
     assert main([*argv, "--calibrate-scope", "model"]) == 0
     printed = capsys.readouterr().out
-    assert "biases to 0.25 on average over the layers on mqar seq_len=128" in printed
+    kept = float(re.search(r"biases to (\d\.?\d*) on average over the layers \(a split of "
+                           r"0.25 at share price 0\) on mqar seq_len=128", printed)[1])
+    assert 0 <= kept <= 0.25 and f"it kept {kept:.4g}, loss" in printed
     shares = [float(x) for x in re.findall(r"share (\d\.\d+)", printed)]
-    assert len(shares) == 2 and sum(shares) / 2 == pytest.approx(0.25, abs=0.01)
+    assert len(shares) == 2 and sum(shares) / 2 == pytest.approx(kept, abs=0.01)
     report = json.loads(out.read_text())
     assert "on average over the layers" in report["source"]
+    # A price no route pays keeps no share; a price needs a split.
+    assert main([*argv, "--calibrate-scope", "model", "--share-price", "100"]) == 0
+    assert "biases to 0 on average over the layers (a split of 0.25 at share price 100)" in \
+        capsys.readouterr().out
+    assert main([*argv, "--share-price", "0.1"]) == 2
+    assert "--share-price prices a split" in capsys.readouterr().err
+    assert main([*argv, "--calibrate-scope", "model", "--share-price", "-1"]) == 2
+    assert "--share-price must be a number >= 0" in capsys.readouterr().err
     assert main([*argv[:-2], "--calibrate-scope", "model"]) == 2
     assert "--calibrate-scope says how to calibrate" in capsys.readouterr().err
     assert main([*argv, "0.5", "--calibrate-scope", "model"]) == 2
@@ -189,10 +199,12 @@ def test_cli_splits_a_model_wide_budget_among_the_heads(tmp_path: Path, capsys) 
     assert main([*argv, "0.25", "--calibrate-scope", "head"]) == 0
     printed = capsys.readouterr().out
     assert "splitting 0.25 among the heads by the loss on 2 batches" in printed
-    assert "biases to 0.25 on average over the heads on mqar seq_len=128" in printed
+    kept = float(re.search(r"biases to (\d\.?\d*) on average over the heads \(a split of "
+                           r"0.25 at share price 0\) on mqar seq_len=128", printed)[1])
     found = re.findall(r"layer (\d) head (\d) bias -?\d\.\d+ share (\d\.\d+)", printed)
     assert [(int(i), int(h)) for i, h, _ in found] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert sum(float(x) for *_, x in found) / 4 == pytest.approx(0.25, abs=0.01)
+    assert 0 <= kept <= 0.25
+    assert sum(float(x) for *_, x in found) / 4 == pytest.approx(kept, abs=0.01)
     assert "on average over the heads" in json.loads(out.read_text())["source"]
     assert main([*argv, "0.2", "0.3", "--calibrate-scope", "head"]) == 2
     assert "--calibrate-scope head splits one fraction" in capsys.readouterr().err

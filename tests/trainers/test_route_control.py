@@ -274,10 +274,13 @@ def _loss_per_head(model: NatsForCausalLM, batches: list[tuple[torch.Tensor, tor
 
 def test_split_budget_among_heads_finds_a_split_no_move_improves() -> None:
     model, batches = _scored_model(), _labelled(3)
-    found = split_budget(model, batches, 0.25, levels=2, unit="head")
+    path: list[list[float]] = []
+    found = split_budget(model, batches, 0.25, levels=2, unit="head", price=1e6,
+                         on_split=lambda shares, _: path.append(shares))
     assert [(c.layer, c.head) for c in found] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    shares = [c.target for c in found]
-    assert sum(shares) / 4 == pytest.approx(0.25) and shares != [0.25] * 4
+    shares = [s for s in path if sum(s) == 1.0][-1]  # where the swaps ended
+    assert shares != [0.25] * 4
+    found = calibrate_budget(model, [x for x, _ in batches], [shares[:2], shares[2:]])
     assert [c.share for c in found] == pytest.approx(shares, abs=1 / 288)
     assert [float(b) for x in model.nats_layers for b in x.budget.route_bias] == \
         pytest.approx([c.bias for c in found])
@@ -291,6 +294,57 @@ def test_split_budget_among_heads_finds_a_split_no_move_improves() -> None:
             moved[j] += 0.0625
             if i != j and min(moved) >= 0 and max(moved) <= 1:
                 assert loss <= _loss_per_head(model, batches, [moved[:2], moved[2:]])
+
+
+def test_split_budget_gives_back_the_share_a_route_does_not_pay_for() -> None:
+    """After the swaps, share goes back one finest step at a time down to none; a price
+    keeps the point of that path with the least ``loss + price * share``."""
+    batches = _labelled(3)
+    path: list[tuple[list[float], float]] = []
+    found = split_budget(_scored_model(), batches, 0.25, levels=2, unit="head", price=1e6,
+                         on_split=lambda shares, loss: path.append((shares, loss)))
+    assert [c.target for c in found] == [0.0] * 4 and path[-1][0] == [0.0] * 4
+    assert path[0][0] == [0.25] * 4
+    spent = [sum(shares) / 4 for shares, _ in path]
+    back = next(i for i, s in enumerate(spent) if s < 0.25) - 1  # the swaps end here
+    assert spent[:back + 1] == pytest.approx([0.25] * (back + 1))
+    steps = [b - a for a, b in zip(spent[back:-1], spent[back + 1:], strict=True)]
+    assert steps == pytest.approx([-0.0625 / 4] * len(steps))  # the finest step, one head
+    model = _scored_model()
+    for shares, loss in path[back::4]:  # the losses are the reference's
+        assert loss == pytest.approx(_loss_per_head(model, batches, [shares[:2], shares[2:]]))
+    start, (_, first) = path[back][0], path[back + 1]  # the first step back costs least
+    for i in range(4):
+        if start[i] > 0:
+            less = [s - 0.0625 * (h == i) for h, s in enumerate(start)]
+            assert first <= _loss_per_head(model, batches, [less[:2], less[2:]]) + 1e-6
+
+    def kept(price: float) -> list[float]:
+        cost = [loss + price * s for (_, loss), s in zip(path[back:], spent[back:], strict=True)]
+        return path[back + max(i for i, c in enumerate(cost) if c == min(cost))][0]
+
+    # Between the price that keeps all and the one that keeps nothing, one that keeps part.
+    prices = [0.0, *(0.02 * 2**i for i in range(12))]
+    partway = next(p for p in prices if 0 < sum(kept(p)) < sum(path[back][0]))
+    for price in (0.0, partway):
+        found = split_budget(_scored_model(), batches, 0.25, levels=2, unit="head", price=price)
+        assert [c.target for c in found] == kept(price)
+
+
+def test_calibration_applies_a_share_per_head() -> None:
+    model, batches = _scored_model(), _labelled(3)
+    shares = [[0.5, 0.0], [0.125, 0.375]]
+    found = calibrate_budget(model, [x for x, _ in batches], shares)
+    assert [(c.layer, c.head, c.target) for c in found] == [
+        (0, 0, 0.5), (0, 1, 0.0), (1, 0, 0.125), (1, 1, 0.375)]
+    biases = [float(b) for x in model.nats_layers for b in x.budget.route_bias]
+    _loss_per_head(model, batches, shares)  # the reference sets the biases by hand
+    assert biases == pytest.approx([float(b) for x in model.nats_layers
+                                    for b in x.budget.route_bias])
+    with pytest.raises(ValueError, match="3 calibration targets for the 2 heads"):
+        calibrate_budget(model, [x for x, _ in batches], [[0.5, 0.0, 0.1], 0.2])
+    with pytest.raises(ValueError, match=r"a fraction in \[0, 1\]"):
+        calibrate_budget(model, [x for x, _ in batches], [[0.5, 1.5], 0.2])
 
 
 def test_split_budget_reads_a_layers_scores_once_per_split_of_the_layers_before(
@@ -337,6 +391,9 @@ def test_split_budget_refuses_what_it_cannot_do() -> None:
         split_budget(model, [], 0.3)
     with pytest.raises(ValueError, match="unit"):
         split_budget(model, _labelled(0, 1), 0.3, unit="chunk")
+    for price in (-0.1, math.inf, math.nan, True, "1"):
+        with pytest.raises(ValueError, match="price must be a number >= 0"):
+            split_budget(model, _labelled(0, 1), 0.3, price=price)
 
 
 @pytest.mark.parametrize(("target", "batches", "message"), [
