@@ -57,6 +57,12 @@ value that converts, the official config class's default, what this layer does i
 The defaults differ for the first three; the released 340M / 760M configs use the values
 that convert."""
 
+MAX_BLOCK = 64
+"""The longest official routing block whose forward this layer computes."""
+WHY_BLOCK = ("the official kernels walk longer blocks in 64-token pieces and read the "
+             "linear state at a block index where they saved one per piece; see "
+             "docs/NATSL.md, 'Official checkpoints'")
+
 SAMPLERS = {"argmax": "argmax", "gumble": "gumbel"}
 """Official ``nats_sample_strategy`` (their spelling) -> ``NatsConfig.sampler``."""
 
@@ -106,6 +112,9 @@ def config_from_official(config: Mapping[str, Any], vocab_size: int | None = Non
     gdn = set(config.get("gdn_layers") or ())
     if not gdn <= set(range(n_layers)):
         _fail("gdn_layers", sorted(gdn), f"indices below num_hidden_layers={n_layers}")
+    block = int(config.get("nats_block_size", 64))
+    if block > MAX_BLOCK:
+        _fail("nats_block_size", block, f"at most {MAX_BLOCK} converts ({WHY_BLOCK})")
     hidden = int(config.get("hidden_size", 2048))
     width = mlp_width(config)
     if width % 8:
@@ -118,7 +127,7 @@ def config_from_official(config: Mapping[str, Any], vocab_size: int | None = Non
         vocab_size=int(vocab_size if vocab_size is not None else config.get("vocab_size", 32000)),
         d_model=hidden, n_layers=n_layers, n_heads=heads,
         softmax_heads_per_head=attn_heads // heads, head_dim_k=head_dim,
-        head_dim_v=int(head_dim_v), chunk_size=int(config.get("nats_block_size", 64)),
+        head_dim_v=int(head_dim_v), chunk_size=block,
         layer_types=tuple("linear" if i in gdn else "nats" for i in range(n_layers)),
         sampler=SAMPLERS[sampler],
         route_grad="both" if config.get("compute_dnats_for_invalid_blocks_attn") else "selected",
@@ -144,6 +153,9 @@ def config_to_official(cfg: NatsConfig) -> dict[str, Any]:
         if getattr(cfg, name) != value:
             raise ConfigError(f"NatsConfig.{name} = {getattr(cfg, name)!r} cannot be converted "
                               f"to the official layout: only {value!r} ({why})")
+    if cfg.chunk_size > MAX_BLOCK:
+        raise ConfigError(f"NatsConfig.chunk_size = {cfg.chunk_size} cannot be converted to "
+                          f"the official layout: at most {MAX_BLOCK} ({WHY_BLOCK})")
     if "softmax" in cfg.layer_types:
         raise ConfigError(f"NatsConfig.layer_types = {list(cfg.layer_types)} cannot be "
                           "converted to the official layout: it has no softmax layer")

@@ -225,6 +225,16 @@ def test_an_mlp_width_this_model_cannot_hold_is_refused():
         assert config_from_official({**TINY, "intermediate_size": width}).mlp_hidden == width
 
 
+def test_routing_blocks_longer_than_the_official_kernels_compute_are_refused():
+    with pytest.raises(ConfigError, match="nats_block_size = 128 cannot be converted: at most 64"):
+        config_from_official({**TINY, "nats_block_size": 128})
+    assert config_from_official({**TINY, "nats_block_size": 64}).chunk_size == 64
+    cfg = config_from_official(TINY)
+    with pytest.raises(ConfigError, match="chunk_size = 128 cannot be converted"):
+        config_to_official(cfg.replace(chunk_size=128))
+    assert config_to_official(cfg.replace(chunk_size=64))["nats_block_size"] == 64
+
+
 def test_official_defaults_are_refused_where_this_layer_differs():
     """The config class's own defaults (softmax q/k/v before the convolution, no q/k norm,
     no decay over softmax chunks) are not what the released configs use."""
