@@ -16,7 +16,8 @@ informative (pair) and filler chunks go to softmax.
 Choose the price on some models and report it on others: the split reads only calibration
 batches, but a price picked by its evaluation accuracy is picked on the evaluation set.
 
-Writes one record per model to ``--out`` after each model (a rerun skips the models done).
+Writes one record per model to ``--out`` after each model; a rerun skips the prices done
+and reads the path it has.
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ def kept(path: list[tuple[list[float], float]], price: float) -> int:
     return back + max(i for i, c in enumerate(cost) if c == min(cost))
 
 
-def run(source: str, share: float, prices: list[float]) -> dict[str, Any]:
+def run(source: str, share: float, prices: list[float],
+        record: dict[str, Any] | None) -> dict[str, Any]:
+    """Split (unless ``record`` holds this model's path already) and evaluate each price."""
     device = torch.device("cpu")
     loaded = load_model(source, device)
     base = loaded.train_config
@@ -59,14 +62,18 @@ def run(source: str, share: float, prices: list[float]) -> dict[str, Any]:
     [config] = slice_configs(base, "mqar", [base.seq_len], [PAIRS], BATCH_SIZE)
     batches = [(x.to(device), y.to(device))
                for x, y in build_batches(config).calibration(BATCHES)]
-    path: list[tuple[list[float], float]] = []
-    start = time.perf_counter()
-    split_budget(loaded.model, batches, share, unit="head", price=1e6, progress=True,
-                 on_split=lambda shares, loss: path.append((shares, loss)))
+    if record is None:
+        path: list[tuple[list[float], float]] = []
+        start = time.perf_counter()
+        split_budget(loaded.model, batches, share, unit="head", price=1e6, progress=True,
+                     on_split=lambda shares, loss: path.append((shares, loss)))
+        record = {"source": source, "share": share, "path": path,
+                  "split_seconds": time.perf_counter() - start, "prices": {}}
+    path = record["path"]
     heads = loaded.model.config.n_heads
-    record: dict[str, Any] = {"source": source, "share": share, "path": path,
-                              "split_seconds": time.perf_counter() - start, "prices": {}}
     for price in prices:
+        if f"{price:g}" in record["prices"]:
+            continue
         flat = path[kept(path, price)][0]
         nested = [flat[i:i + heads] for i in range(0, len(flat), heads)]
         calibrate_budget(loaded.model, [x for x, _ in batches], nested)
@@ -104,7 +111,7 @@ def main() -> None:
         if key in done and set(done[key]["prices"]) >= {f"{p:g}" for p in args.prices}:
             continue
         try:
-            done[key] = run(source, args.share, args.prices)
+            done[key] = run(source, args.share, args.prices, done.get(key))
         except ValueError as error:
             sys.exit(f"split_price: {error}")
         atomic_write_bytes(args.out, (json.dumps(done, indent=1) + "\n").encode())
