@@ -77,7 +77,12 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def eval_command(args: argparse.Namespace) -> int:
     from nats.trainers import TrainConfig, build_batches, resolve_device
-    from nats.trainers.route_control import calibrate_budget, split_budget
+    from nats.trainers.route_control import (
+        calibrate_budget,
+        kept_on_path,
+        split_budget,
+        swaps_end,
+    )
     from nats.trainers.sources import load_model
 
     from .harness import run_eval, summary_lines
@@ -99,10 +104,10 @@ def eval_command(args: argparse.Namespace) -> int:
             and len(fractions) > 1:
         raise ValueError(f"--calibrate-scope {args.calibrate_scope} splits one fraction: "
                          "give one")
-    if args.share_price != 0.0 and args.calibrate_scope not in ("model", "head"):
-        raise ValueError("--share-price prices a split: give --calibrate-scope model or head")
     if not 0 <= args.share_price < math.inf:
         raise ValueError(f"--share-price must be a number >= 0, got {args.share_price:g}")
+    if args.share_price != 0.0 and args.calibrate_scope not in ("model", "head"):
+        raise ValueError("--share-price prices a split: give --calibrate-scope model or head")
     if args.save_model is not None:
         if args.calibrate_budget is None:
             raise ValueError("--save-model saves a calibrated model: give --calibrate-budget")
@@ -144,12 +149,9 @@ def eval_command(args: argparse.Namespace) -> int:
         except ValueError as error:  # what the model or the slice cannot calibrate
             raise ValueError(f"--calibrate-budget: {error}") from None
         if path:  # a split: it may have given share back
-            kept = [c.target for c in layers]
-            full = max(i for i, (shares, _) in enumerate(path)
-                       if sum(shares) / len(shares) >= fractions[0] - 1e-9)
-            loss = next(value for shares, value in reversed(path) if shares == kept)
-            mean = sum(kept) / len(kept)
-            print(f"nats: the split of {fractions[0]:g} has loss {path[full][1]:.4g} on the "
+            kept, loss = path[kept_on_path(path, args.share_price)]
+            mean, whole = sum(kept) / len(kept), path[swaps_end(path)][1]
+            print(f"nats: the split of {fractions[0]:g} has loss {whole:.4g} on the "
                   f"calibration batches; it kept {mean:.4g}, loss {loss:.4g} (--share-price "
                   f"{args.share_price:g})")
             where = (f"{mean:.4g} on average over the "

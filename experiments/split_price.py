@@ -7,9 +7,8 @@ For each trained recall model: ``split_budget`` splits ``--share`` among the hea
 loss on the calibration batches (as ``nats eval --calibrate-budget S --calibrate-scope
 head`` does), then gives share back one finest step at a time, the step that raises the
 loss least, down to no share at all, recording the path. A price ``p`` keeps the point of
-that path with the least ``loss + p * share``, which is what ``split_budget(...,
-price=p)`` keeps (tests/trainers/test_route_control.py holds the two together), so one
-path gives every price. Each price's split is then evaluated on the
+that path with the least ``loss + p * share`` (``kept_on_path``, what ``split_budget(...,
+price=p)`` keeps), so one path gives every price. Each price's split is then evaluated on the
 evaluation batches, which the split never reads: accuracy, share, and how often the
 informative (pair) and filler chunks go to softmax.
 
@@ -24,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -35,20 +35,11 @@ from nats.atomic_write import atomic_write_bytes
 from nats.evaluation import run_eval
 from nats.evaluation.slices import slice_configs
 from nats.trainers import build_batches
-from nats.trainers.route_control import calibrate_budget, split_budget
+from nats.trainers.route_control import calibrate_budget, kept_on_path, split_budget
 from nats.trainers.sources import load_model
 
 PAIRS, BATCHES, BATCH_SIZE = 32, 2, 32
 """The slice of docs/RESULTS.md's per-head split ("The share split among heads")."""
-
-
-def kept(path: list[tuple[list[float], float]], price: float) -> int:
-    """The point of the path (after the swaps) that ``split_budget(..., price=price)``
-    keeps: the least ``loss + price * share``, the least share on a tie."""
-    spent = [sum(shares) / len(shares) for shares, _ in path]
-    back = next((i - 1 for i, s in enumerate(spent) if s < spent[0] - 1e-12), len(path) - 1)
-    cost = [loss + price * s for (_, loss), s in zip(path[back:], spent[back:], strict=True)]
-    return back + max(i for i, c in enumerate(cost) if c == min(cost))
 
 
 def run(source: str, share: float, prices: list[float],
@@ -74,14 +65,14 @@ def run(source: str, share: float, prices: list[float],
     for price in prices:
         if f"{price:g}" in record["prices"]:
             continue
-        flat = path[kept(path, price)][0]
+        flat, calibration_loss = path[kept_on_path(path, price)]
         nested = [flat[i:i + heads] for i in range(0, len(flat), heads)]
         calibrate_budget(loaded.model, [x for x, _ in batches], nested)
         result = run_eval(loaded, [config], BATCHES, device, show_progress=False)["slices"][0]
         routing = result["routing"]
         informative, filler = routing["route_informative"], routing["route_filler"]
         record["prices"][f"{price:g}"] = {
-            "shares": nested, "calibration_loss": path[kept(path, price)][1],
+            "shares": nested, "calibration_loss": calibration_loss,
             "accuracy": result["accuracy"], "softmax_fraction": result["softmax_fraction"],
             "route_frac": routing["route_frac"], "informative": informative, "filler": filler,
             "lift": informative / filler if filler > 0 else None}
@@ -103,8 +94,8 @@ def main() -> None:
     args = parser.parse_args()
     if not 0 < args.share < 1:
         parser.error(f"--share: {args.share:g} is not a fraction in (0, 1)")
-    if any(p < 0 for p in args.prices):
-        parser.error("--prices must be >= 0")
+    if not all(0 <= p < math.inf for p in args.prices):
+        parser.error("--prices must be numbers >= 0")
     done = json.loads(args.out.read_text()) if args.out.exists() else {}
     for source in args.runs:
         key = f"{source}@{args.share:g}"

@@ -102,11 +102,11 @@ def calibrate_budget(model: NatsForCausalLM, batches: Sequence[torch.Tensor],
             raise ValueError(f"{len(target)} calibration targets for {len(layers)} budgeted "
                              "NAtS-L layers")
         targets: list[float | list[float]] = []
-        for t, (_, layer) in zip(target, layers, strict=True):
+        for t, (index, layer) in zip(target, layers, strict=True):
             if isinstance(t, Sequence):
                 if len(t) != layer.budget.route_bias.numel():
-                    raise ValueError(f"{len(t)} calibration targets for the "
-                                     f"{layer.budget.route_bias.numel()} heads of a layer")
+                    raise ValueError(f"layer {index}: {len(t)} calibration targets for its "
+                                     f"{layer.budget.route_bias.numel()} heads")
                 for head in t:
                     _check_fraction(head, closed=True)
                 targets.append([float(head) for head in t])
@@ -135,8 +135,8 @@ def split_budget(model: NatsForCausalLM, batches: Sequence[tuple[torch.Tensor, t
     nothing. Greedy: from every unit at ``target``, move a step of share from one unit to
     another while some move lowers the loss, the best move first; then halve the step,
     ``levels`` step sizes in all, from ``target / 2``. Each move tried costs a calibration
-    and a loss pass over ``batches``. The split is a local optimum of the loss on these
-    batches, never worse than the even split.
+    and a loss pass over ``batches``. Where the moves stop, the split is a local optimum of
+    the loss on these batches, never worse than the even split.
 
     Per head: the heads of one layer may take different parts, one sending the pairs of a
     recall task to softmax and another the noise; at a small share the first can hold it
@@ -151,7 +151,9 @@ def split_budget(model: NatsForCausalLM, batches: Sequence[tuple[torch.Tensor, t
     ``price`` nats of loss (mean next-token loss) per unit of model-wide share. ``price=0``
     gives back only share whose routes do not lower the loss. The path is read whole, not
     cut at its first rise: the loss along it is not convex. ``on_split(shares, loss)``
-    sees the start and every split taken, in order: the search's path of cost and loss.
+    sees the start and every split taken, in order: the search's path of cost and loss,
+    which :func:`kept_on_path` reads. What is returned is never worse than the even split
+    in ``loss + price * share``.
     """
     _check_fraction(target, closed=False)
     if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
@@ -167,6 +169,7 @@ def split_budget(model: NatsForCausalLM, batches: Sequence[tuple[torch.Tensor, t
     heads = model.config.n_heads if unit == "head" else 1
     shares = [float(target)] * (n_layers * heads)
     step = target / 2
+    slack = step * 1e-9  # share arithmetic on steps that are not powers of two
 
     def targets(flat: list[float]) -> list[float | list[float]]:
         if unit == "layer":
@@ -180,12 +183,13 @@ def split_budget(model: NatsForCausalLM, batches: Sequence[tuple[torch.Tensor, t
         return evaluate(model, list(batches), ids[0].device).metrics["eval/ce"]
 
     def swaps() -> list[list[float]]:
-        return [_moved(shares, i, -step, j, step) for i in range(len(shares))
+        return [_moved(shares, i, -step, slack, j, step) for i in range(len(shares))
                 for j in range(len(shares))
-                if i != j and shares[i] - step >= -_EPS and shares[j] + step <= 1 + _EPS]
+                if i != j and shares[i] - step >= -slack and shares[j] + step <= 1 + slack]
 
     def releases() -> list[list[float]]:
-        return [_moved(shares, i, -step) for i in range(len(shares)) if shares[i] - step >= -_EPS]
+        return [_moved(shares, i, -step, slack) for i in range(len(shares))
+                if shares[i] - step >= -slack]
 
     path: list[tuple[list[float], float]] = []
 
@@ -219,26 +223,37 @@ def split_budget(model: NatsForCausalLM, batches: Sequence[tuple[torch.Tensor, t
         for level in range(levels):
             if level:
                 step /= 2
+                slack = step * 1e-9
             search(swaps, better=True)
-        swapped = len(path) - 1
         search(releases, better=False)
-    cost = [value + price * sum(flat) / len(flat) for flat, value in path[swapped:]]
-    shares = path[swapped + max(i for i, c in enumerate(cost) if c == min(cost))][0]
+    shares = list(path[kept_on_path(path, price)][0])
     return _calibrate(model, scores, targets(shares))
 
 
-_EPS = 1e-12
-"""Slack for share arithmetic on steps that are not powers of two."""
+def swaps_end(path: Sequence[tuple[Sequence[float], float]]) -> int:
+    """Where :func:`split_budget`'s moves end on its path (``on_split``'s calls, in order):
+    the last split that still spends the whole share."""
+    spent = [sum(shares) / len(shares) for shares, _ in path]
+    return max(i for i, s in enumerate(spent) if s >= spent[0] * (1 - 1e-9))
 
 
-def _moved(shares: list[float], i: int, by: float, j: int | None = None,
+def kept_on_path(path: Sequence[tuple[Sequence[float], float]], price: float) -> int:
+    """The split :func:`split_budget` keeps at ``price`` from its path: of the splits from
+    where the moves end on, the least ``loss + price * share``, the least share on a tie."""
+    start = swaps_end(path)
+    cost = [loss + price * sum(shares) / len(shares) for shares, loss in path[start:]]
+    return start + max(i for i, c in enumerate(cost) if c == min(cost))
+
+
+def _moved(shares: list[float], i: int, by: float, slack: float, j: int | None = None,
            back: float = 0.0) -> list[float]:
-    """``shares`` with ``by`` added at ``i`` (and ``back`` at ``j``), kept in [0, 1]."""
+    """``shares`` with ``by`` added at ``i`` (and ``back`` at ``j``); a share within
+    ``slack`` of 0 or 1 is set to it, so that rounding leaves no sliver of share."""
     out = list(shares)
-    out[i] = min(1.0, max(0.0, out[i] + by))
+    out[i] += by
     if j is not None:
-        out[j] = min(1.0, max(0.0, out[j] + back))
-    return out
+        out[j] += back
+    return [0.0 if x <= slack else 1.0 if x >= 1 - slack else x for x in out]
 
 
 def _check_fraction(value: Any, closed: bool) -> None:

@@ -19,7 +19,9 @@ from nats.trainers.route_control import (
     budget_target,
     calibrate_budget,
     exploration_noise,
+    kept_on_path,
     split_budget,
+    swaps_end,
     update_budget,
 )
 
@@ -329,6 +331,17 @@ def test_split_budget_gives_back_the_share_a_route_does_not_pay_for() -> None:
     for price in (0.0, partway):
         found = split_budget(_scored_model(), batches, 0.25, levels=2, unit="head", price=price)
         assert [c.target for c in found] == kept(price)
+        assert path[kept_on_path(path, price)][0] == kept(price)
+
+
+def test_split_budget_gives_back_every_sliver_of_a_share_that_is_no_power_of_two() -> None:
+    path: list[tuple[list[float], float]] = []
+    found = split_budget(_scored_model(), _labelled(3), 0.3, levels=3, unit="head", price=1e6,
+                         on_split=lambda shares, loss: path.append((shares, loss)))
+    assert [c.target for c in found] == [0.0] * 4 == path[-1][0]
+    assert all(0 <= s <= 1 for shares, _ in path for s in shares)
+    assert sum(path[swaps_end(path)][0]) / 4 == pytest.approx(0.3)
+    assert len(path) - 1 - swaps_end(path) == round(4 * 0.3 / (0.3 / 8))  # a step each
 
 
 def test_calibration_applies_a_share_per_head() -> None:
@@ -341,7 +354,7 @@ def test_calibration_applies_a_share_per_head() -> None:
     _loss_per_head(model, batches, shares)  # the reference sets the biases by hand
     assert biases == pytest.approx([float(b) for x in model.nats_layers
                                     for b in x.budget.route_bias])
-    with pytest.raises(ValueError, match="3 calibration targets for the 2 heads"):
+    with pytest.raises(ValueError, match="layer 0: 3 calibration targets for its 2 heads"):
         calibrate_budget(model, [x for x, _ in batches], [[0.5, 0.0, 0.1], 0.2])
     with pytest.raises(ValueError, match=r"a fraction in \[0, 1\]"):
         calibrate_budget(model, [x for x, _ in batches], [[0.5, 1.5], 0.2])
