@@ -33,11 +33,16 @@ import torch
 
 from nats.atomic_write import atomic_write_bytes
 from nats.config import NatsConfig
+from nats.cuda_graph import warm_then_capture
 from nats.latency import median_ms
 from nats.model import NatsForCausalLM
 from nats.trainers.config import architecture_layers
 
 from .decode_benchmark import time_decode
+
+GRAPH_WARMUP_STEPS = 3
+"""Eager steps before a training step is captured: the optimizer's state, every kernel's
+compilation and autotuning, and the chunk maps cached per shape all exist by then."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,10 @@ class ModelBenchConfig:
     compile: bool = False
     """``torch.compile`` each model's training forward (as ``nats train --compile`` does);
     prefill and decode stay eager."""
+    cuda_graph: bool = False
+    """Replay each training step from a CUDA graph (forward, backward and the optimizer
+    step, captured after warm-up steps): what the step costs without Python and launch
+    overhead. GPU only."""
     device: str = "cuda"
 
     def __post_init__(self) -> None:
@@ -79,8 +88,12 @@ class ModelBenchConfig:
             if any(isinstance(v, bool) or not isinstance(v, int) or v < 1
                    for v in getattr(self, name)):
                 raise ValueError(f"--{name.replace('_', '-')} must be integers >= 1")
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"compile must be True or False, got {self.compile!r}")
+        for name in ("compile", "cuda_graph"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.cuda_graph and not self.device.startswith("cuda"):
+            raise ValueError(f"--cuda-graph replays CUDA graphs: it needs --device cuda, got "
+                             f"{self.device!r}")
         if any(not 0 <= f <= 1 for f in self.fractions):
             raise ValueError(f"--fractions must lie in [0, 1], got {list(self.fractions)}")
         if any(not 0 < s <= 1 or round(1 / s) > self.n_layers
@@ -134,27 +147,64 @@ def _autocast(device: torch.device) -> torch.autocast:
         else torch.autocast("cpu", enabled=False)
 
 
+def training_step(model: NatsForCausalLM, ids: torch.Tensor, lr: float = 1e-4,
+                  compile: bool = False, cuda_graph: bool = False,
+                  ) -> Callable[[], torch.Tensor]:
+    """A function that runs one training step on ``ids`` (forward, backward, AdamW, the
+    routing statistics' commit, as the trainer's step) and returns its loss.
+
+    With ``cuda_graph`` the step is captured after :data:`GRAPH_WARMUP_STEPS` eager steps
+    (which train the model too) and each call replays it; the loss returned is then the
+    graph's own tensor, refilled by every replay.
+    """
+    device = ids.device
+    # Capturable: the step counts and the update stay on the GPU, so a graph can replay it.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, capturable=cuda_graph)
+    autocast = _autocast(device)
+    model.train()
+    forward = torch.compile(model) if compile else model
+
+    def step() -> torch.Tensor:
+        with autocast:  # entered per step: a graph records the casts of the weights too
+            loss = forward(ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        model.update_routing_statistics()
+        return loss.detach()
+
+    def eager_step() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        return step()
+
+    if not cuda_graph:
+        return eager_step
+
+    def warm_up() -> None:
+        for _ in range(GRAPH_WARMUP_STEPS):
+            eager_step()
+        # The capture makes the gradients in the graph's memory, which replays overwrite.
+        optimizer.zero_grad(set_to_none=True)
+
+    _, graph, loss = warm_then_capture(warm_up, step, device)
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return loss
+
+    return replay
+
+
 def train_step_row(model: NatsForCausalLM, config: ModelBenchConfig, length: int,
                    device: torch.device) -> dict[str, Any]:
     """Tokens/s of a training step (fwd, bwd, AdamW) at ``length`` and its peak memory."""
     batch = config.train_tokens // length
     ids = torch.randint(0, config.vocab_size, (batch, length), device=device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    autocast = _autocast(device)
-    model.train()
-    forward = torch.compile(model) if config.compile else model
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        with autocast:
-            loss = forward(ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    step = training_step(model, ids, compile=config.compile, cuda_graph=config.cuda_graph)
     ms = median_ms(step, device, warmup=1, repeats=config.repeats)
-    row = {"tokens_per_s": batch * length / (ms / 1e3), "ms": ms, "batch": batch}
+    row = {"tokens_per_s": batch * length / (ms / 1e3), "ms": ms, "batch": batch,
+           "cuda_graph": config.cuda_graph}
     if device.type == "cuda":
         row["peak_bytes"] = torch.cuda.max_memory_allocated(device)
     return row

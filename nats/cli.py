@@ -185,7 +185,7 @@ def _bench_model(args: argparse.Namespace) -> int:
         train_lens=tuple(args.train_lens), train_tokens=args.train_tokens,
         prefill_lens=tuple(args.prefill_lens), decode_contexts=tuple(args.decode_contexts),
         decode_steps=args.decode_steps, repeats=args.repeats, compile=args.compile,
-        device=args.device)
+        cuda_graph=args.cuda_graph, device=args.device)
     report = run_model_benchmark(config, args.out)
     print(ratio_table(report))
     print(f"nats: wrote {args.out}")
@@ -434,6 +434,9 @@ def _add_bench_model(bench_sub: argparse._SubParsersAction) -> None:
     model.add_argument("--compile", action="store_true",
                        help="torch.compile each model's training forward, as nats train "
                             "--compile does")
+    model.add_argument("--cuda-graph", action="store_true",
+                       help="replay each training step from a CUDA graph (captured after "
+                            "warm-up steps): the step without Python and launch overhead")
     model.add_argument("--device", default=d.device, help="cuda (the figures) or cpu (a check)")
     model.add_argument("--out", type=Path, default=Path("bench/model.json"))
     model.set_defaults(func=_bench_model)

@@ -1,4 +1,4 @@
-"""Decode steps replayed from a CUDA graph.
+"""Work replayed from a CUDA graph: decode steps, and a benchmark's training step.
 
 At batch 1 a decode step is a few hundred small kernels, and launching them from Python
 costs far more than running them. :meth:`NatsForCausalLM.decode_compute` launches the
@@ -12,7 +12,8 @@ number of times over a generation.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -20,6 +21,30 @@ from .cache import HybridCache
 
 if TYPE_CHECKING:  # the model imports this module
     from .model import NatsForCausalLM
+
+
+W = TypeVar("W")
+R = TypeVar("R")
+
+
+def warm_then_capture(warm_up: Callable[[], W], record: Callable[[], R], device: torch.device,
+                      ) -> tuple[W, torch.cuda.CUDAGraph, R]:
+    """Run ``warm_up()``, then record ``record()`` into a graph without running it; returns
+    both results and the graph (``graph.replay()`` refills ``record``'s outputs in place).
+
+    Both run on one fresh stream: cuBLAS and the caching allocator set up per stream, and
+    the warm-up compiles and autotunes every kernel, which must not happen in the capture.
+    Work queued before this call is seen by both; work queued after it sees both.
+    """
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        warm = warm_up()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            recorded = record()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    return warm, graph, recorded
 
 
 class GraphedDecoder:
@@ -54,17 +79,11 @@ class GraphedDecoder:
         return self.logits.clone()
 
     def _eager_then_capture(self, token: torch.Tensor) -> torch.Tensor:
-        # Warm-up on the stream that will capture (cuBLAS and the caching allocator set up
-        # per stream), which is also this token's real step.
-        stream = torch.cuda.Stream(token.device)
-        stream.wait_stream(torch.cuda.current_stream(token.device))
-        with torch.cuda.stream(stream):
-            logits = self.model.decode_step(token, self.cache)
-            self.token = token.clone()
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, stream=stream):  # recorded, not run
-                self.logits = self.model.decode_compute(self.token, self.cache)
-        torch.cuda.current_stream(token.device).wait_stream(stream)
+        # The warm-up is this token's real step; the capture records the next one's work.
+        self.token = token.clone()
+        logits, self.graph, self.logits = warm_then_capture(
+            lambda: self.model.decode_step(token, self.cache),
+            lambda: self.model.decode_compute(self.token, self.cache), token.device)
         self.bound_to = self._buffers()
         self.captures += 1
         return logits

@@ -160,7 +160,10 @@ class NatsForCausalLM(nn.Module):
                 ) -> CausalLMOutput:
         """Logits for every position; with ``labels`` (same shape, shifted inside, -100
         ignored) also ``loss = cross-entropy + mean over NAtS layers of the cost term``."""
-        if labels is not None:  # checked first: reading the answer waits for the GPU
+        # Checked first: reading the answer waits for the GPU. Not in a CUDA-graph capture,
+        # which cannot read back; its warm-up checked the same fixed labels.
+        if labels is not None and not (labels.is_cuda
+                                       and torch.cuda.is_current_stream_capturing()):
             _check_labels(labels)
         x = self.embed(input_ids)
         routings = []

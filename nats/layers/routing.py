@@ -60,33 +60,41 @@ class RunningMoments(nn.Module):
             self.commits = None
         self.pending: torch.Tensor | None = None
         """``[count, sum (C), sum of squares (C)]`` since the last commit (not a buffer:
-        each process holds its own until they are summed)."""
+        each process holds its own until they are summed). Made by the first
+        :meth:`accumulate` and then updated in place, never replaced: a step captured in a
+        CUDA graph keeps adding into the same memory."""
 
     def accumulate(self, x: torch.Tensor) -> None:
         """Add the rows of ``x`` ``[n, C]`` to the pending sums."""
         x = x.detach().double()
         sums = torch.cat([x.new_full((1,), x.shape[0]), x.sum(0), x.square().sum(0)])
-        self.pending = sums if self.pending is None else self.pending + sums
+        if self.pending is None or self.pending.device != sums.device:
+            self.pending = torch.zeros_like(sums)
+        self.pending.add_(sums)
 
     @torch.no_grad()
     def commit(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """Fold the pending sums (``reduce``-d across processes first) into the running
-        values; nothing to do when no routable chunk was seen."""
+        values and clear them; a commit that saw no routable chunk changes nothing.
+
+        Decided on the device (a weight of 0), not by reading the count back: that would
+        wait for the GPU once per statistic and step, and cannot be captured.
+        """
         if self.pending is None:
             return
         sums = self.pending if reduce is None else reduce(self.pending)
-        self.pending = None
         count, channels = sums[0], self.running_mean.numel()
-        if count < 1:
-            return
-        mean = sums[1: 1 + channels] / count
-        var = (sums[1 + channels:] / count - mean.square()).clamp_min(0)
-        weight: float | torch.Tensor = self.momentum
+        seen = count >= 1
+        mean = sums[1: 1 + channels] / count.clamp_min(1)
+        var = (sums[1 + channels:] / count.clamp_min(1) - mean.square()).clamp_min(0)
+        weight = torch.full_like(self.running_mean[:1], self.momentum)
         if self.commits is not None:
-            self.commits += 1
+            self.commits += seen
             weight = self.commits.reciprocal().clamp_min(self.momentum)
+        weight = torch.where(seen, weight, 0.0).to(self.running_mean.dtype)
         self.running_mean.lerp_(mean.to(self.running_mean.dtype), weight)
         self.running_var.lerp_(var.to(self.running_var.dtype), weight)
+        self.pending.zero_()
 
     def standardise(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         """``(x - mean) / sqrt(var + eps)`` with the running values; counts ``x``'s

@@ -66,6 +66,9 @@ def test_the_command_and_its_refusals(tmp_path: Path, capsys) -> None:
     assert main([*args, "--layer-hybrid-shares", "0.25"]) == 2  # under one layer of two
     assert "--layer-hybrid-shares must lie in [1/n_layers, 1] = [0.5, 1]" \
         in capsys.readouterr().err
+    assert main([*args, "--cuda-graph"]) == 2  # graphs replay on a GPU only
+    assert "--cuda-graph replays CUDA graphs: it needs --device cuda, got 'cpu'" \
+        in capsys.readouterr().err
 
 
 def test_a_measure_given_no_lengths_is_skipped(tmp_path: Path) -> None:
@@ -79,3 +82,5 @@ def test_a_measure_given_no_lengths_is_skipped(tmp_path: Path) -> None:
     assert {r["measure"] for r in rows} == {"train"} and len(rows) == 4
     with pytest.raises(ValueError, match="compile must be True or False"):
         ModelBenchConfig(**{**SMALL, "compile": "yes"})
+    with pytest.raises(ValueError, match="cuda_graph must be True or False"):
+        ModelBenchConfig(**{**SMALL, "cuda_graph": 1})

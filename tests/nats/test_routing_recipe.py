@@ -140,6 +140,28 @@ def test_warm_started_moments_average_the_first_commits_then_move_by_momentum():
     assert torch.allclose(warm.running_mean, 0.9 * means.mean(0) + 0.1 * batches[10].mean(0))
 
 
+def test_moments_keep_one_pending_tensor_and_an_empty_commit_changes_nothing():
+    # A CUDA-graphed step replays into the memory it captured: accumulate and commit must
+    # update the pending sums in place, and decide "nothing seen" without the host.
+    for warm_start in (False, True):
+        moments = RunningMoments(2, warm_start=warm_start).double()
+        moments.accumulate(torch.zeros(0, 2, dtype=torch.float64))  # no routable rows
+        pending = moments.pending
+        before = [b.clone() for b in moments.buffers()]
+        moments.commit()
+        assert all(torch.equal(a, b) for a, b in zip(before, moments.buffers(), strict=True))
+        x = torch.randn(7, 2, dtype=torch.float64)
+        moments.accumulate(x[:3])
+        moments.accumulate(x[3:])
+        assert moments.pending is pending
+        assert torch.allclose(moments.pending, torch.cat([torch.tensor([7.0], dtype=x.dtype),
+                                                          x.sum(0), x.square().sum(0)]))
+        moments.commit()
+        assert moments.pending is pending and not pending.any()
+        expected = x.mean(0) if warm_start else 0.1 * x.mean(0)
+        assert torch.allclose(moments.running_mean, expected)
+
+
 def test_budgeted_scores_standardise_with_running_statistics_per_head():
     scores = BudgetedScores(n_heads=3, target=0.25).double().train()
     spread = torch.tensor([1.0, 5.0, 0.1], dtype=torch.float64)[:, None]  # per head
