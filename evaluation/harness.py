@@ -28,6 +28,7 @@ from nats.trainers import TrainConfig, build_batches, evaluate
 from nats.trainers.evaluation import layer_fractions
 from nats.trainers.loop import autocast_for
 from nats.trainers.sources import LoadedModel
+from nats.trainers.text import stdlib_fingerprint
 
 from .slices import slice_name, slice_params
 
@@ -159,6 +160,8 @@ def run_eval(loaded: LoadedModel, slices: Sequence[TrainConfig], batches: int,
         "prefill": [{"seq_len": n, "batch_size": 1,
                      "seconds": prefill_seconds(model, slices[0], n, device)}
                     for n in prefill_lens]}
+    if any(config.reads_stdlib() for config in slices):
+        report["stdlib"] = stdlib_fingerprint()
     if out is not None:
         atomic_write_bytes(Path(out), (json.dumps(report, indent=2) + "\n").encode())
     return report

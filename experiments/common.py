@@ -358,6 +358,7 @@ def run_grid(name: str, args: argparse.Namespace, base: TrainConfig, lrs: Sequen
                              "validation_loss); delete it and its run folder to retrain")
     summary = {"experiment": name, "scale": args.scale, "device": str(device),
                "device_name": ordered[0]["device_name"] if ordered else None,
+               "stdlib": ordered[0].get("stdlib") if ordered else None,
                "jobs": args.jobs, "minutes": (time.monotonic() - budget.start) / 60,
                "skipped": skipped, "diverged": [diverged[t] for t in order if t in diverged],
                "runs": [_brief(r) for r in ordered]}

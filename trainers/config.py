@@ -268,6 +268,12 @@ class TrainConfig:
             return task
         return TaskMixture(tuple(dataclasses.replace(task, pairs=n) for n in self.mqar_pairs_mix))
 
+    def reads_stdlib(self) -> bool:
+        """Whether this task's data is this interpreter's standard library (the default
+        text corpus, the needle's text haystacks)."""
+        return (self.task == "text" and not self.data_paths) or \
+            (self.task == "needle" and self.needle_haystack == "text")
+
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with ``changes`` applied and validated."""
         return dataclasses.replace(self, **changes)

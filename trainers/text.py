@@ -6,7 +6,10 @@ every machine has, with no download. Loading corpora is :mod:`.text_data`'s work
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
+import platform
 import sysconfig
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,22 @@ def stdlib_sources() -> list[Path]:
         dirs[:] = [d for d in dirs if d not in THIRD_PARTY_DIRS and d != "__pycache__"]
         found.extend(Path(folder, f) for f in files if f.endswith(".py"))
     return sorted(found)
+
+
+@functools.cache
+def stdlib_fingerprint() -> dict[str, Any]:
+    """Which standard library the default corpus and the needle's text haystacks come from:
+    this interpreter's, so they change with the Python version, and results on them compare
+    only at one fingerprint (a needle result that did not reproduce had none recorded:
+    docs/RESULTS.md)."""
+    digest, size = hashlib.sha256(), 0
+    files = stdlib_sources()
+    for path in files:
+        data = path.read_bytes()
+        digest.update(data)
+        size += len(data)
+    return {"python": platform.python_version(), "files": len(files), "bytes": size,
+            "sha256": digest.hexdigest()}
 
 
 def generate_text(model: NatsForCausalLM, prompt: str, max_new_tokens: int,

@@ -83,6 +83,28 @@ def test_bits_per_byte_of_a_text_slice(tmp_path: Path) -> None:
     (s,) = report["slices"]
     assert s["bits_per_byte"] == pytest.approx(s["loss"] / math.log(2))  # bytes: 1 per token
     assert s["length"] == "training length" and s["softmax_fraction"] == 0.5
+    assert "stdlib" not in report  # its own files, not the standard library
+
+
+def test_a_slice_on_the_standard_library_records_which_one() -> None:
+    import hashlib
+    import platform
+
+    from nats.trainers.text import stdlib_sources
+
+    model = _model()
+    config = TrainConfig(model=model.config, task="needle", seq_len=64, batch_size=2,
+                         needle_haystack="text", device="cpu")
+    report = run_eval(LoadedModel(model, config, "t"), [config], 1, CPU, show_progress=False)
+    files = stdlib_sources()
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
+    assert report["stdlib"] == {"python": platform.python_version(), "files": len(files),
+                                "bytes": sum(f.stat().st_size for f in files),
+                                "sha256": digest}
+    repeated = config.replace(needle_haystack="repeated")
+    report = run_eval(LoadedModel(model, repeated, "t"), [repeated], 1, CPU,
+                      show_progress=False)
+    assert "stdlib" not in report
 
 
 def test_exported_folder_has_no_training_length_unless_told(tmp_path: Path) -> None:
