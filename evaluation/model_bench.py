@@ -11,8 +11,9 @@ in several forms, measured in one run so that their ratios compare:
 * ``layer-hybrid@s``: softmax every ``1/s``-th layer, the others linear: the layer-level
   hybrid at the same softmax share ``s``.
 
-For each: training tokens/s (forward, backward and an AdamW step, bf16 autocast on a GPU)
-and peak memory at each training length, prefill milliseconds (batch 1, no gradients) at
+For each: training tokens/s (forward, backward, an AdamW step and the routing statistics'
+commit, as the trainer's step; bf16 autocast on a GPU; with ``cuda_graph`` replayed from a
+CUDA graph) and peak memory at each training length, prefill milliseconds (batch 1, no gradients) at
 each prefill length, and decode milliseconds per token against a prefilled cache at each
 context (replayed from a CUDA graph on a GPU, as ``generate`` decodes). A measurement that
 runs out of memory is recorded as such and the longer lengths of that form are skipped.
@@ -91,6 +92,9 @@ class ModelBenchConfig:
         for name in ("compile", "cuda_graph"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.cuda_graph and self.compile:
+            raise ValueError("--cuda-graph and --compile: give one (a compiled step replayed "
+                             "from a graph is not measured or tested)")
         if self.cuda_graph and not self.device.startswith("cuda"):
             raise ValueError(f"--cuda-graph replays CUDA graphs: it needs --device cuda, got "
                              f"{self.device!r}")
@@ -196,7 +200,8 @@ def training_step(model: NatsForCausalLM, ids: torch.Tensor, lr: float = 1e-4,
 
 def train_step_row(model: NatsForCausalLM, config: ModelBenchConfig, length: int,
                    device: torch.device) -> dict[str, Any]:
-    """Tokens/s of a training step (fwd, bwd, AdamW) at ``length`` and its peak memory."""
+    """Tokens/s of a training step (:func:`training_step`) at ``length`` and its peak
+    memory."""
     batch = config.train_tokens // length
     ids = torch.randint(0, config.vocab_size, (batch, length), device=device)
     if device.type == "cuda":

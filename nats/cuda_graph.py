@@ -80,10 +80,13 @@ class GraphedDecoder:
 
     def _eager_then_capture(self, token: torch.Tensor) -> torch.Tensor:
         # The warm-up is this token's real step; the capture records the next one's work.
-        self.token = token.clone()
-        logits, self.graph, self.logits = warm_then_capture(
+        # The decoder's state changes once both succeeded: a graph must not outlive the
+        # token buffer it reads.
+        fixed_token = token.clone()
+        logits, graph, fixed_logits = warm_then_capture(
             lambda: self.model.decode_step(token, self.cache),
-            lambda: self.model.decode_compute(self.token, self.cache), token.device)
+            lambda: self.model.decode_compute(fixed_token, self.cache), token.device)
+        self.token, self.graph, self.logits = fixed_token, graph, fixed_logits
         self.bound_to = self._buffers()
         self.captures += 1
         return logits

@@ -61,16 +61,22 @@ class RunningMoments(nn.Module):
         self.pending: torch.Tensor | None = None
         """``[count, sum (C), sum of squares (C)]`` since the last commit (not a buffer:
         each process holds its own until they are summed). Made by the first
-        :meth:`accumulate` and then updated in place, never replaced: a step captured in a
-        CUDA graph keeps adding into the same memory."""
+        :meth:`accumulate` and then updated in place: a step captured in a CUDA graph keeps
+        adding into the same memory. Moved (a new tensor) only when the statistic moved to
+        another device."""
 
     def accumulate(self, x: torch.Tensor) -> None:
         """Add the rows of ``x`` ``[n, C]`` to the pending sums."""
         x = x.detach().double()
         sums = torch.cat([x.new_full((1,), x.shape[0]), x.sum(0), x.square().sum(0)])
-        if self.pending is None or self.pending.device != sums.device:
+        if self.pending is None:
             self.pending = torch.zeros_like(sums)
+        self._follow_device()
         self.pending.add_(sums)
+
+    def _follow_device(self) -> None:
+        if self.pending is not None and self.pending.device != self.running_mean.device:
+            self.pending = self.pending.to(self.running_mean.device)
 
     @torch.no_grad()
     def commit(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
@@ -82,6 +88,7 @@ class RunningMoments(nn.Module):
         """
         if self.pending is None:
             return
+        self._follow_device()
         sums = self.pending if reduce is None else reduce(self.pending)
         count, channels = sums[0], self.running_mean.numel()
         seen = count >= 1

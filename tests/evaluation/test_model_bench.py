@@ -84,3 +84,5 @@ def test_a_measure_given_no_lengths_is_skipped(tmp_path: Path) -> None:
         ModelBenchConfig(**{**SMALL, "compile": "yes"})
     with pytest.raises(ValueError, match="cuda_graph must be True or False"):
         ModelBenchConfig(**{**SMALL, "cuda_graph": 1})
+    with pytest.raises(ValueError, match="--cuda-graph and --compile: give one"):
+        ModelBenchConfig(**{**SMALL, "cuda_graph": True, "compile": True})

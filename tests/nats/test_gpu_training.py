@@ -50,19 +50,21 @@ def test_routing_cost_term_stays_finite_in_bf16(tmp_path):
     assert math.isfinite(result.eval_metrics["eval/loss"])
 
 
-@pytest.mark.parametrize("layers, fraction", [
-    (("softmax", "softmax"), None), (("linear", "linear"), None), (("nats", "nats"), 0.25),
-    (("nats", "nats"), None), (("linear", "softmax"), None)])
-def test_a_graphed_training_step_trains_as_the_eager_one(layers, fraction):
+@pytest.mark.parametrize("layers, fraction, branch_norm", [
+    (("softmax", "softmax"), None, "both"), (("linear", "linear"), None, "both"),
+    (("nats", "nats"), 0.25, "both"), (("nats", "nats"), None, "both"),
+    (("nats", "nats"), None, "scaled"), (("linear", "softmax"), None, "both")])
+def test_a_graphed_training_step_trains_as_the_eager_one(layers, fraction, branch_norm):
     """The model benchmark's CUDA-graphed step (``nats bench model --cuda-graph``) against
     the eager step, on the same fixed batch from the same weights: every form, NAtS-L at a
-    forced fraction and routing itself (scorer statistics and the budget's moments
-    committed inside the graph, the branches on two streams). The losses of steps 4-6
-    agree, and they fall: a replay that read stale inputs or skipped the update would not
-    follow the eager run."""
+    forced fraction and routing itself (scorer statistics, the budget's moments and, under
+    ``scaled``, the warm-started softmax scale committed inside the graph; the branches on
+    two streams). The losses of steps 4-6 agree with the eager ones and fall from replay to
+    replay (a replay that skipped the update would not), and the committed statistics
+    agree (a commit left out of the graph would not)."""
     config = NatsConfig(vocab_size=256, d_model=128, n_layers=2, n_heads=2,
                         softmax_heads_per_head=2, head_dim_k=64, head_dim_v=64, chunk_size=64,
-                        layer_types=layers)
+                        layer_types=layers, branch_norm=branch_norm)
     torch.manual_seed(0)
     eager_model = NatsForCausalLM(config).cuda()
     eager_model.set_route_override(fraction)
@@ -73,6 +75,6 @@ def test_a_graphed_training_step_trains_as_the_eager_one(layers, fraction):
     graphed = training_step(graphed_model, ids, lr=3e-3, cuda_graph=True)
     graphed_losses = [float(graphed()) for _ in range(3)]
     assert graphed_losses == pytest.approx(eager_losses[GRAPH_WARMUP_STEPS:], abs=0.05)
-    assert graphed_losses[-1] < eager_losses[0] - 0.5
+    assert graphed_losses[-1] < graphed_losses[0] - 0.1
     for a, b in zip(eager_model.buffers(), graphed_model.buffers(), strict=True):
         assert torch.allclose(a.float(), b.float(), atol=0.05, rtol=0.05)

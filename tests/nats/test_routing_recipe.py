@@ -160,6 +160,10 @@ def test_moments_keep_one_pending_tensor_and_an_empty_commit_changes_nothing():
         assert moments.pending is pending and not pending.any()
         expected = x.mean(0) if warm_start else 0.1 * x.mean(0)
         assert torch.allclose(moments.running_mean, expected)
+    # Sums not yet committed follow the statistic to another device.
+    moments.accumulate(x)
+    moments.to("meta").commit()
+    assert moments.pending.device.type == "meta"
 
 
 def test_budgeted_scores_standardise_with_running_statistics_per_head():
