@@ -119,7 +119,7 @@ def string_match_all(prediction: str, answers: tuple[str, ...]) -> float:
 
 def essay_words() -> list[str]:
     """Words of the standard library's sources, the offline stand-in for RULER's essays."""
-    from nats.trainers.synthetic import stdlib_bytes
+    from nats.trainers.text import stdlib_bytes
 
     return stdlib_bytes()[:4_000_000].numpy().tobytes().decode("utf-8", "replace").split()
 

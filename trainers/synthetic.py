@@ -7,7 +7,6 @@ model shifts them, and ``-100`` marks positions that carry no loss.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import ClassVar, NoReturn
 
@@ -16,7 +15,7 @@ import torch
 from nats.config import fail
 from nats.model import IGNORE_INDEX
 
-from .text import stdlib_sources
+from .text import stdlib_bytes
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -325,13 +324,6 @@ class TaskMixture:
     def sample(self, batch_size: int, generator: torch.Generator) -> Batch:
         pick = int(torch.randint(len(self.tasks), (), generator=generator))
         return self.tasks[pick].sample(batch_size, generator)
-
-
-@functools.cache
-def stdlib_bytes() -> torch.Tensor:
-    """The standard library's ``.py`` sources, concatenated (uint8; ~30 MB, read once)."""
-    data = b"".join(path.read_bytes() for path in stdlib_sources())
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def _fail(task: object, name: str, allowed: str) -> NoReturn:

@@ -7,7 +7,7 @@ import torch
 
 from nats.config import ConfigError
 from nats.trainers import MQARTask, NeedleTask
-from nats.trainers.synthetic import stdlib_bytes
+from nats.trainers.text import stdlib_bytes
 
 IGNORE = -100
 
