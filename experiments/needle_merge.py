@@ -23,7 +23,10 @@ Rows, each a model of two layers:
 * ``own-qk``, ``routed-own-qk``: ``forced`` and ``routed`` with the softmax branch's q and
   k from a projection of its own (``SiLU(conv(W x))`` like the shared one), so that the
   linear branch's gradient cannot reach them; v stays shared;
-* ``own-qkv``: ``own-qk`` with v from that projection too.
+* ``own-qkv``, ``routed-own-qkv``: ``own-qk`` and ``routed-own-qk`` with v from that
+  projection too;
+* ``routed-own-qkv-anneal``: ``routed-own-qkv`` with the budget annealed from 1 over the
+  first half (``budget_anneal=0.5``): the softmax branch learns on every chunk first.
 
 Prints a JSON line per run (validation loss, digit and whole-answer accuracy, the share
 of routable chunks on softmax and how much more often the needle's chunks go there than
@@ -119,7 +122,8 @@ def _own_projection_layer(with_v: bool) -> dict[str, Callable]:
 
 
 ROWS = ("softmax", "forced", "direct", "normed", "half", "detach", "routed", "routed-detach",
-        "routed-detach-half", "own-qk", "own-qkv", "routed-own-qk")
+        "routed-detach-half", "own-qk", "own-qkv", "routed-own-qk", "routed-own-qkv",
+        "routed-own-qkv-anneal")
 STEPS = 1200
 
 
@@ -146,7 +150,7 @@ def _row_patches(row: str) -> Iterator[None]:
     original_methods = {name: getattr(cls, name) for name in ("__init__", "forward",
                                                               "_softmax_heads")}
     if "own-qk" in row:
-        for name, method in _own_projection_layer(row.endswith("qkv")).items():
+        for name, method in _own_projection_layer("own-qkv" in row).items():
             setattr(cls, name, method)
     if merge is not None:
         nats_attention.NatsAttention._merge = merge
@@ -167,6 +171,8 @@ def run(row: str, seed: int, out: Path) -> dict[str, Any]:
     torch.set_num_threads(1)
     folder = out / f"{row}-seed{seed}"
     cfg = config(seed, "softmax" if row == "softmax" else "nats", folder)
+    if row.endswith("anneal"):
+        cfg = cfg.replace(budget_anneal=0.5)
     with common._console_to(folder.with_suffix(".log")), _row_patches(row):
         metrics = train(cfg).eval_metrics
     return {"row": row, "seed": seed, "loss": metrics["eval/loss"],

@@ -68,7 +68,8 @@ def test_direct_merge_with_a_softmax_layers_weights_is_that_layer(tmp_path: Path
     torch.testing.assert_close(got, softmax_model(batch[0]).logits, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("row", ["own-qk", "own-qkv", "routed-detach-half", "half"])
+@pytest.mark.parametrize("row", ["own-qk", "own-qkv", "routed-own-qkv-anneal", "routed-detach-half",
+                                 "half"])
 def test_every_patch_is_undone(row: str, tmp_path: Path) -> None:
     cls = nats_attention.NatsAttention
     before = {n: getattr(cls, n) for n in ("__init__", "forward", "_softmax_heads", "_merge")}
