@@ -37,17 +37,23 @@ SCALES = {
 HAYSTACKS, DISTRACTORS = ("repeated", "text"), (0, 2)
 
 
-def main() -> None:
-    args, s = common.parse_args(__doc__.splitlines()[0], SCALES)
+def base_config(s: dict) -> TrainConfig:
+    """Training at scale ``s`` (one of ``SCALES``), every layer NAtS-L; the grid sets the
+    rows' mixers, learning rates and seeds."""
     model = NatsConfig(vocab_size=VOCAB, d_model=s["d_model"], n_layers=s["layers"],
                        n_heads=2, softmax_heads_per_head=2, head_dim_k=s["head_dim"],
                        head_dim_v=s["head_dim"], chunk_size=s["chunk"],
                        layer_types=("nats",) * s["layers"], rope=True)
-    base = TrainConfig(model=model, task="needle", steps=s["steps"], batch_size=s["batch"],
+    return TrainConfig(model=model, task="needle", steps=s["steps"], batch_size=s["batch"],
                        seq_len=s["train"], needle_haystack="text", needle_distractors=1,
                        warmup_steps=s["steps"] // 10, eval_interval=s["steps"],
                        eval_batches=2, log_interval=10, checkpoint_interval=s["steps"],
                        keep_checkpoints=1)
+
+
+def main() -> None:
+    args, s = common.parse_args(__doc__.splitlines()[0], SCALES)
+    base = base_config(s)
     settings = [(t, h, d) for t in s["test"] for h in HAYSTACKS for d in DISTRACTORS]
     slices = [base.replace(seq_len=t, needle_haystack=h, needle_distractors=d)
               for t, h, d in settings]
