@@ -2,10 +2,13 @@
 
     python experiments/needle_merge.py --seeds 0 1 2 3 4          # ~1 min a run, one thread
     python experiments/needle_merge.py --rows routed routed-detach-half --jobs 2
+    python experiments/needle_merge.py --scale gpu --device cuda --rows forced own-qkv --jobs 6
 
 The needle's CPU scale (``needle.py --scale cpu``: 2 layers of width 64, chunk 16, trained
-at 128 bytes on text haystacks with one distractor, 1,200 steps of batch 16, lr 1e-2).
-Rows, each a model of two layers:
+at 128 bytes on text haystacks with one distractor, 1,200 steps of batch 16, lr 1e-2), or
+with ``--scale gpu`` its GPU scale (4 layers of width 128, chunk 64, 1,024 bytes, 1,500 steps
+of batch 32, lr 1e-2). Validation is at the training length.
+Rows, each a model of that scale's layers:
 
 * ``softmax``: two plain softmax layers (the transformer);
 * ``forced``: two NAtS-L layers, every route forced to softmax, the default merge
@@ -38,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import multiprocessing
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -124,24 +128,25 @@ def _own_projection_layer(with_v: bool) -> dict[str, Callable]:
 ROWS = ("softmax", "forced", "direct", "normed", "half", "detach", "routed", "routed-detach",
         "routed-detach-half", "own-qk", "own-qkv", "routed-own-qk", "routed-own-qkv",
         "routed-own-qkv-anneal")
-STEPS: int = needle.SCALES["cpu"]["steps"]
+SCALES = ("cpu", "gpu")
 
 
-def config(seed: int, layer: str, out: Path) -> TrainConfig:
-    """The needle's CPU scale at lr 1e-2, every layer ``layer``; validated on 4 batches (the
-    grid's 2 leave its rows too few to tell partial answers apart)."""
-    base = needle.base_config(needle.SCALES["cpu"])
+def config(seed: int, layer: str, out: Path, scale: str = "cpu",
+           device: str = "cpu") -> TrainConfig:
+    """The needle at ``scale`` and lr 1e-2, every layer ``layer``; validated on 4 batches
+    (the grid's 2 leave its rows too few to tell partial answers apart)."""
+    base = needle.base_config(needle.SCALES[scale])
     return base.replace(model=base.model.replace(layer_types=(layer,) * base.model.n_layers),
                         eval_batches=4, log_interval=100, lr=1e-2, seed=seed,
-                        out_dir=str(out), device="cpu")
+                        out_dir=str(out), device=device)
 
 
 @contextlib.contextmanager
-def _row_patches(row: str) -> Iterator[None]:
+def _row_patches(row: str, steps: int) -> Iterator[None]:
     merge: Merge | None = {"direct": _direct, "normed": _normed, "half": _half}.get(row)
     hook = None
     if row in ("detach", "routed-detach", "routed-detach-half"):
-        merge, hook = _detached_until(STEPS // 2 if row == "routed-detach-half" else None)
+        merge, hook = _detached_until(steps // 2 if row == "routed-detach-half" else None)
     original_hook = loop.set_exploration
     cls = nats_attention.NatsAttention
     original_methods = {name: getattr(cls, name) for name in ("__init__", "forward",
@@ -164,15 +169,16 @@ def _row_patches(row: str) -> Iterator[None]:
             setattr(cls, name, method)
 
 
-def run(row: str, seed: int, out: Path) -> dict[str, Any]:
+def run(row: str, seed: int, out: Path, scale: str = "cpu",
+        device: str = "cpu") -> dict[str, Any]:
     torch.set_num_threads(1)
     folder = out / f"{row}-seed{seed}"
-    cfg = config(seed, "softmax" if row == "softmax" else "nats", folder)
+    cfg = config(seed, "softmax" if row == "softmax" else "nats", folder, scale, device)
     if row.endswith("anneal"):
         cfg = cfg.replace(budget_anneal=0.5)
-    with common._console_to(folder.with_suffix(".log")), _row_patches(row):
+    with common._console_to(folder.with_suffix(".log")), _row_patches(row, cfg.steps):
         metrics = train(cfg).eval_metrics
-    return {"row": row, "seed": seed, "loss": metrics["eval/loss"],
+    return {"row": row, "seed": seed, "scale": scale, "loss": metrics["eval/loss"],
             "digits": metrics["eval/acc"], "answers": metrics["eval/seq_acc"],
             "route_share": metrics.get("eval/route_frac"),
             "needle_lift": metrics.get("eval/route_lift")}
@@ -183,12 +189,16 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
     parser.add_argument("--jobs", type=int, default=1, help="runs at once, a process each")
+    parser.add_argument("--scale", choices=SCALES, default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--out", type=Path, default=Path("runs/needle-merge"))
     args = parser.parse_args()
     cells = [(row, seed) for row in args.rows for seed in args.seeds]
     results = []
-    with ProcessPoolExecutor(args.jobs) as pool:
-        futures = [pool.submit(run, row, seed, args.out) for row, seed in cells]
+    # spawn: a forked process cannot use CUDA
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(run, row, seed, args.out, args.scale, args.device)
+                   for row, seed in cells]
         for future in futures:
             results.append(future.result())
             print(json.dumps(results[-1]), flush=True)

@@ -45,7 +45,7 @@ def test_detach_keeps_the_forward_and_drops_only_the_linear_gradient(tmp_path: P
         want_logits, want = _qkv_grads(model, batch)
     finally:
         nats_attention.NatsAttention._merge = merge
-    with needle_merge._row_patches("detach"):
+    with needle_merge._row_patches("detach", 100):
         got_logits, got = _qkv_grads(model, batch)
     torch.testing.assert_close(got_logits, logits, rtol=0, atol=0)
     torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=0)
@@ -63,7 +63,7 @@ def test_direct_merge_with_a_softmax_layers_weights_is_that_layer(tmp_path: Path
     with torch.no_grad():
         for name, p in names.items():
             nats_params[name].copy_(p)
-    with needle_merge._row_patches("direct"):
+    with needle_merge._row_patches("direct", 100):
         got = nats_model(batch[0]).logits
     torch.testing.assert_close(got, softmax_model(batch[0]).logits, rtol=1e-5, atol=1e-5)
 
@@ -74,7 +74,7 @@ def test_every_patch_is_undone(row: str, tmp_path: Path) -> None:
     cls = nats_attention.NatsAttention
     before = {n: getattr(cls, n) for n in ("__init__", "forward", "_softmax_heads", "_merge")}
     hook = needle_merge.loop.set_exploration
-    with needle_merge._row_patches(row):
+    with needle_merge._row_patches(row, 100):
         model, batch = _model_and_batch(tmp_path)
         model(batch[0])
     assert {n: getattr(cls, n) for n in before} == before
@@ -82,7 +82,7 @@ def test_every_patch_is_undone(row: str, tmp_path: Path) -> None:
 
 
 def test_own_projection_feeds_the_softmax_heads_only(tmp_path: Path) -> None:
-    with needle_merge._row_patches("own-qk"):
+    with needle_merge._row_patches("own-qk", 100):
         model, batch = _model_and_batch(tmp_path)
         ids, labels = batch
         next_token_cross_entropy(model(ids).logits, labels).backward()
