@@ -119,8 +119,8 @@ def _own_projection_layer(with_v: bool) -> dict[str, Callable]:
         self.own_qk = self.softmax_qk(x)
         return forward(self, x)
 
-    def own_heads(self, q, k, v, start):
-        return heads(self, *self.own_qk, start) if with_v else heads(self, *self.own_qk, v, start)
+    def own_heads(self, qkv, start):
+        return heads(self, self.own_qk if with_v else (*self.own_qk, qkv[2]), start)
 
     return {"__init__": own_init, "forward": own_forward, "_softmax_heads": own_heads}
 

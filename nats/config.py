@@ -29,6 +29,7 @@ OUTPUT_GATES = ("silu", "none")
 """``silu``: the output is multiplied by ``SiLU(W_g x)`` (fla, the official NAtS-L layer);
 ``none``: no output gate (Zoology's MQAR recipe for Gated DeltaNet)."""
 BRANCH_NORMS = ("both", "linear", "scaled", "none")
+SOFTMAX_QKVS = ("shared", "own")
 """Which branch outputs a NAtS-L layer RMS-normalises before merging them: ``both`` (the
 official layer), ``linear`` (only the linear branch, as Gated DeltaNet normalises its own
 output; the softmax output keeps its magnitude, as a transformer's does), ``scaled`` (the
@@ -140,6 +141,13 @@ class NatsConfig:
     branch as far below the linear one as ``linear`` does at initialisation, while the
     gain, one parameter a head, can grow as fast as the optimizer moves it
     (docs/RESULTS.md)."""
+    softmax_qkv: str = "shared"
+    """Where the NAtS-L softmax branch's q, k and v come from: ``shared`` with the linear
+    branch (one projection, the official layer's) or its ``own`` projection and short
+    convolution (``SOFTMAX_QKVS``). Shared, the linear branch's gradient also trains the
+    softmax branch's inputs and held it on the needle's plateau; own, a routed model
+    retrieved the needle on 4 of 6 seeds instead of 0 (docs/RESULTS.md), for
+    ``d_model * (2 head_dim_k + head_dim_v) * n_heads`` more weights a layer."""
     branch_gamma: bool = False
     """A separate per-channel weight for each branch in the merge (``w_LA N(o_LA) gamma +
     w_SM N(o_SM) gamma_SM``) instead of one after the sum: the official layer's gated
@@ -193,7 +201,8 @@ class NatsConfig:
             _fail("chunk_size", self.chunk_size, f"one of {CHUNK_SIZES}")
         for name, allowed in (("sampler", SAMPLERS), ("route_grad", ROUTE_GRADS),
                               ("scorer_init", SCORER_INITS), ("budget_scope", BUDGET_SCOPES),
-                              ("output_gate", OUTPUT_GATES), ("branch_norm", BRANCH_NORMS)):
+                              ("output_gate", OUTPUT_GATES), ("branch_norm", BRANCH_NORMS),
+                              ("softmax_qkv", SOFTMAX_QKVS)):
             if getattr(self, name) not in allowed:
                 _fail(name, getattr(self, name), f"one of {allowed}")
         target = self.softmax_target
@@ -290,12 +299,12 @@ class NatsConfig:
 OFFICIAL_RECIPE: dict[str, Any] = {
     "route_grad": "selected", "scorer_norm": False, "scorer_init": "normal",
     "scorer_detach": False, "softmax_target": None, "output_gate": "silu", "branch_norm": "both",
-    "softmax_gain_init": None}
+    "softmax_gain_init": None, "softmax_qkv": "shared"}
 """The router and output settings of the official NAtS-L code (automl/
 NeuralAttentionSearchLinear, 340M config): only the chosen option's route gradient, a
 raw pooled input that the route gradient flows back into, the scorer drawn like every
-weight, no budget, a SiLU output gate, both branch outputs RMS-normalised and no softmax
-gain.
+weight, no budget, a SiLU output gate, both branch outputs RMS-normalised, no softmax
+gain and one q/k/v projection for both branches.
 The defaults differ where docs/RESULTS.md measured that they train better."""
 
 DUMP_FIELDS = frozenset({"sampler", "gumbel_tau", "reg_lambda", "norm_eps",

@@ -14,7 +14,8 @@ option 0 = softmax, and both merge weights ``(softmax head, branch)`` with branc
 linear. The router is trained the official way after conversion
 (``NatsConfig.official_recipe``). Back to the official layout, a model converts only if
 its forward is one the official layer computes: no budget, no normalised scorer input, a
-SiLU output gate, both branches normalised, no softmax gain, plain Gated DeltaNet layers.
+SiLU output gate, both branches normalised, no softmax gain, one q/k/v projection,
+plain Gated DeltaNet layers.
 """
 
 from __future__ import annotations
@@ -148,7 +149,8 @@ def config_to_official(cfg: NatsConfig) -> dict[str, Any]:
               "output_gate": ("silu", "the official layer always has the SiLU gate"),
               "branch_norm": ("both", "the official merge normalises both branches"),
               "softmax_gain_init": (None, "the official merge has no softmax gain"),
-              "linear_op": ("gated_deltanet", "the official layers are Gated DeltaNet")}
+              "linear_op": ("gated_deltanet", "the official layers are Gated DeltaNet"),
+              "softmax_qkv": ("shared", "the official branches share one q/k/v projection")}
     for name, (value, why) in wanted.items():
         if getattr(cfg, name) != value:
             raise ConfigError(f"NatsConfig.{name} = {getattr(cfg, name)!r} cannot be converted "

@@ -64,8 +64,12 @@ class NatsAttention(nn.Module):
         super().__init__()
         self.cfg = cfg
         h, r = cfg.n_heads, cfg.softmax_heads_per_head
-        self.qkv = QKVProjection(cfg.d_model, (h * cfg.head_dim_k, h * cfg.head_dim_k,
-                                               h * cfg.head_dim_v), cfg.conv_size)
+        dims = (h * cfg.head_dim_k, h * cfg.head_dim_k, h * cfg.head_dim_v)
+        # Under softmax_qkv="own" one projection makes both branches' q/k/v: the softmax
+        # branch's columns get no gradient from the linear branch, and decoding keeps one
+        # convolution window.
+        self.qkv = QKVProjection(cfg.d_model, dims * (2 if cfg.softmax_qkv == "own" else 1),
+                                 cfg.conv_size)
         self.q_norm = RMSNorm(cfg.softmax_head_dim_k, cfg.norm_eps, cfg.backend)
         self.k_norm = RMSNorm(cfg.softmax_head_dim_k, cfg.norm_eps, cfg.backend)
         self.linear = LinearOperator.from_config(cfg)
@@ -98,9 +102,11 @@ class NatsAttention(nn.Module):
 
     # -- pieces shared by the parallel form and decoding ---------------------------------
 
-    def _softmax_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       start: int | torch.Tensor):
+    def _softmax_heads(self, qkv: tuple[torch.Tensor, ...], start: int | torch.Tensor):
+        """The softmax heads' normalised, rotated q, k and v from the projection's output
+        (its last three parts: the shared ones, or the softmax branch's own)."""
         cfg = self.cfg
+        q, k, v = qkv[-3:]
         shape = (*q.shape[:2], cfg.n_heads * cfg.softmax_heads_per_head, -1)
         qs, ks = self.q_norm(q.view(shape)), self.k_norm(k.view(shape))
         if cfg.rope:
@@ -159,9 +165,9 @@ class NatsAttention(nn.Module):
                   cache_conv: torch.Tensor | None):
         cfg, c = self.cfg, self.cfg.chunk_size
         seq_len = x.shape[1]
-        q, k, v = qkv
+        q, k, v = qkv[:3]
         routes, probs = self._route(chunk_mean_pool(x, c), 0)
-        qs, ks, vs = self._softmax_heads(q, k, v, 0)
+        qs, ks, vs = self._softmax_heads(qkv, 0)
         ql, kl, vl = self.linear.features(q, k, v)
         gates = self.gates(x)
         linear = self.linear.parallel if cache_conv is None else self._prefill_linear
@@ -260,8 +266,9 @@ class NatsAttention(nn.Module):
         """One token ``x`` ``[B, 1, D]`` at ``position`` (a device scalar); updates ``cache``
         in place, with the same launches at every position (no host reads)."""
         cfg, c = self.cfg, self.cfg.chunk_size
-        q, k, v = self.qkv.step(x, cache.conv)
-        qs, ks, vs = self._softmax_heads(q, k, v, position)
+        qkv = self.qkv.step(x, cache.conv)
+        q, k, v = qkv[:3]
+        qs, ks, vs = self._softmax_heads(qkv, position)
         ql, kl, vl = self.linear.features(q, k, v)
         gates = self.gates(x).window(0)
         o_la, _ = self.linear.step(cache.state, ql[:, 0], kl[:, 0], vl[:, 0], gates,

@@ -90,3 +90,23 @@ def test_own_projection_feeds_the_softmax_heads_only(tmp_path: Path) -> None:
         own = block.mixer.softmax_qk.proj.weight
         assert own.shape[0] == 2 * model.config.n_heads * model.config.head_dim_k
         assert own.grad is not None and own.grad.abs().max() > 0
+
+
+def test_own_qkv_row_is_the_config_field_softmax_qkv_own(tmp_path: Path) -> None:
+    """The study's patch (a second projection) and ``NatsConfig.softmax_qkv="own"`` (one
+    projection of twice the rows) compute the same model from the same weights."""
+    with needle_merge._row_patches("own-qkv", 100):
+        patched, batch = _model_and_batch(tmp_path)
+        want = patched(batch[0]).logits
+    cfg = patched.config.replace(softmax_qkv="own")
+    model = NatsForCausalLM(cfg)
+    model.set_route_override("softmax")
+    state = patched.state_dict()
+    for i in range(cfg.n_layers):
+        prefix = f"blocks.{i}.mixer."
+        for part in ("proj", "conv"):
+            shared, own = (state.pop(f"{prefix}{name}.{part}.weight")
+                           for name in ("qkv", "softmax_qk"))
+            state[f"{prefix}qkv.{part}.weight"] = torch.cat([shared, own])
+    model.load_state_dict(state)
+    torch.testing.assert_close(model(batch[0]).logits, want, rtol=0, atol=0)

@@ -33,6 +33,8 @@ from nats import ConfigError, NatsConfig
         ({"softmax_gain_init": True}, r"NatsConfig\.softmax_gain_init = True .*positive finite"),
         ({"softmax_gain_init": float("inf")}, r"softmax_gain_init = inf .*positive finite"),
         ({"softmax_gain_init": "0.05"}, r"softmax_gain_init = '0\.05' .*positive finite"),
+        ({"softmax_qkv": "separate"}, r"NatsConfig\.softmax_qkv = 'separate' .*one of "
+                                      r"\('shared', 'own'\)"),
     ],
 )
 def test_bad_values_name_the_field_and_allowed_values(changes, message):

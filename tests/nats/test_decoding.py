@@ -25,6 +25,15 @@ def test_prefill_then_decode_equals_parallel_forward(layer_types, seq_len, promp
     assert rel_err(decode_logits(model, ids, prompt_len), full) < 1e-12
 
 
+@pytest.mark.parametrize(("seq_len", "prompt_len"), [(45, 20), (70, 33)])
+def test_decoding_with_the_softmax_branchs_own_qkv(seq_len, prompt_len):
+    """``softmax_qkv="own"``: the one convolution window carries both branches' q/k/v."""
+    model = tiny_model(("nats", "nats"), rope=True, softmax_qkv="own")
+    ids = torch.randint(0, 50, (3, seq_len), generator=torch.Generator().manual_seed(seq_len))
+    full = model(ids).logits
+    assert rel_err(decode_logits(model, ids, prompt_len), full) < 1e-12
+
+
 @pytest.mark.parametrize("gain", [None, 0.3])
 def test_decoding_divides_by_the_trained_softmax_scale(gain):
     """``branch_norm="scaled"``: decoding reads the running RMS a training step set (and

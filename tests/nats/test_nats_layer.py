@@ -15,9 +15,11 @@ def nats_layer(**overrides):
     return tiny_model(("nats",), **overrides).nats_layers[0]
 
 
-def test_layer_matches_its_definition_written_out():
-    """Recompute one layer from NATSL.md's formulas with the reference operators."""
-    layer = nats_layer()
+@pytest.mark.parametrize("softmax_qkv", ["shared", "own"])
+def test_layer_matches_its_definition_written_out(softmax_qkv):
+    """Recompute one layer from NATSL.md's formulas with the reference operators (with
+    ``softmax_qkv="own"``, the softmax heads read the projection's second q, k, v)."""
+    layer = nats_layer(softmax_qkv=softmax_qkv)
     x = torch.randn(2, 45, 32, dtype=torch.float64)
     y, routing = layer(x)
     cfg = layer.cfg
@@ -25,12 +27,16 @@ def test_layer_matches_its_definition_written_out():
     proj = layer.qkv.proj(x)
     conv = F.conv1d(F.pad(proj.transpose(1, 2), (3, 0)), layer.qkv.conv.weight,
                     groups=proj.shape[-1])
-    q, k, v = F.silu(conv.transpose(1, 2)).split([h * dk, h * dk, h * cfg.head_dim_v], -1)
+    sizes = [h * dk, h * dk, h * cfg.head_dim_v] * (2 if softmax_qkv == "own" else 1)
+    parts = F.silu(conv.transpose(1, 2)).split(sizes, -1)
+    q, k, v = parts[:3]
+    q_sm, k_sm, v_sm = parts[-3:]
     logits = layer.scorer.proj(torch.stack([x[:, i:i + 16].mean(1) for i in range(0, 45, 16)], 1))
     routes = F.one_hot(logits.view(2, 3, h, 2).argmax(-1), 2).double()
     assert torch.equal(routing.routes, routes)
     sm = lambda t: t.reshape(2, 45, h * r, -1)  # noqa: E731
-    o_sm = hybrid_softmax_attention(layer.q_norm(sm(q)), layer.k_norm(sm(k)), sm(v), routes, 16)
+    o_sm = hybrid_softmax_attention(layer.q_norm(sm(q_sm)), layer.k_norm(sm(k_sm)), sm(v_sm),
+                                    routes, 16)
     lin = lambda t: t.reshape(2, 45, h, -1)  # noqa: E731
     a = -layer.gates.A_log.exp() * F.softplus(layer.gates.a_proj(x) + layer.gates.dt_bias)
     b = torch.sigmoid(layer.gates.b_proj(x))
@@ -41,6 +47,25 @@ def test_layer_matches_its_definition_written_out():
     gate = F.silu(layer.out.gate(x)).view(2, 45, h * r, -1)
     expected = layer.out.out((merged * layer.out.gamma * gate).flatten(-2))
     assert rel_err(y, expected) < 1e-12
+
+
+@pytest.mark.parametrize("softmax_qkv", ["shared", "own"])
+def test_own_softmax_qkv_gets_no_gradient_from_the_linear_branch(softmax_qkv, monkeypatch):
+    """Backpropagated through the linear branch alone (the softmax output detached in the
+    merge), the softmax branch's own projection rows stay at zero; shared, they do not."""
+    layer = nats_layer(softmax_qkv=softmax_qkv)
+    merge = type(layer)._merge
+    monkeypatch.setattr(type(layer), "_merge",
+                        lambda self, q, o_la, o_sm, x: merge(self, q, o_la, o_sm.detach(), x))
+    layer(torch.randn(2, 45, 32, dtype=torch.float64))[0].square().sum().backward()
+    grad = layer.qkv.proj.weight.grad
+    rows = sum(layer.qkv.dims[:3])  # the linear branch's q, k, v (and the shared ones)
+    assert grad[:rows].abs().max() > 0
+    if softmax_qkv == "own":
+        assert grad.shape[0] == 2 * rows and not grad[rows:].any()
+        assert not layer.qkv.conv.weight.grad[rows:].any()
+    else:
+        assert grad.shape[0] == rows
 
 
 def test_routes_are_one_hot_with_straight_through_gradient():

@@ -247,6 +247,8 @@ def test_official_defaults_are_refused_where_this_layer_differs():
     ({"scorer_norm": False, "softmax_target": None}, "output_gate"),
     ({"scorer_norm": False, "softmax_target": None, "output_gate": "silu",
       "branch_norm": "scaled"}, "branch_norm"),
+    ({"scorer_norm": False, "softmax_target": None, "output_gate": "silu",
+      "softmax_qkv": "own"}, "softmax_qkv"),
 ])
 def test_a_forward_the_official_layer_cannot_compute_is_refused(change, field):
     with pytest.raises(ConfigError, match=field):
