@@ -37,8 +37,8 @@ BUILTIN_SPACES: dict[str, dict[str, Any]] = {
     },
     "full": {
         "description": "depth (per-layer types follow it), width, chunk size, softmax heads "
-                       "per routing head, linear operator, branch norm, softmax gain, budget "
-                       "annealing, lambda and learning rate",
+                       "per routing head, linear operator, branch norm, softmax gain, softmax "
+                       "q/k/v, budget annealing, lambda and learning rate",
         "params": {
             "n_layers": [2, 3, 4],
             "d_model": [64, 128],
@@ -51,6 +51,8 @@ BUILTIN_SPACES: dict[str, dict[str, Any]] = {
             # which did not reproduce (docs/RESULTS.md).
             "branch_norm": ["both", "linear", "scaled"],
             "softmax_gain_init": [None, 0.05],
+            # Its own q/k/v let the routed model retrieve the needle on a GPU (docs/RESULTS.md).
+            "softmax_qkv": ["shared", "own"],
             # Annealed over 30 % of the run, concentrated recall was learned on every seed
             # with a higher routing lift (docs/RESULTS.md, "Beyond the linear state").
             "budget_anneal": [0.0, 0.3],

@@ -40,11 +40,12 @@ def test_per_layer_choices_follow_the_depth() -> None:
     space = load_space("full")
     params = {"n_layers": 3, "d_model": 128, "chunk_size": 64, "softmax_heads_per_head": 4,
               "linear_op": "deltanet", "branch_norm": "linear", "softmax_gain_init": 0.05,
-              "budget_anneal": 0.3, "reg_lambda": 0.01, "lr": 0.002,
+              "softmax_qkv": "own", "budget_anneal": 0.3, "reg_lambda": 0.01, "lr": 0.002,
               "layer0": "softmax", "layer1": "nats", "layer2": "linear"}
     got = space.sample(FixedTrial(params), BASE)
     assert got.model.layer_types == ("softmax", "nats", "linear")
     assert got.model.linear_op == "deltanet" and got.model.branch_norm == "linear"
+    assert got.model.softmax_qkv == "own"
     assert (got.model.n_layers, got.model.d_model, got.model.chunk_size) == (3, 128, 64)
     assert got.model.softmax_heads_per_head == 4 and got.lr == 0.002
     assert got.budget_anneal == 0.3
@@ -77,6 +78,18 @@ def test_linear_op_dimension_validates_and_samples_every_operator() -> None:
         study.tell(trial, 0.0)
     assert seen == set(LINEAR_OPS)
     assert "linear_op" in {d.name for d in load_space("full").dims}
+
+
+def test_softmax_qkv_is_a_routing_choice() -> None:
+    space = space_from_dict({"params": {"softmax_qkv": ["shared", "own"],
+                                        "layers": {"choices": ["nats", "linear"]}, "n_layers": 2}})
+    got = space.sample(FixedTrial({"layer0": "nats", "layer1": "linear", "softmax_qkv": "own"}),
+                       BASE)
+    assert got.model.softmax_qkv == "own"
+    plain = space.sample(FixedTrial({"layer0": "linear", "layer1": "linear"}), BASE)  # not asked
+    assert plain.model.softmax_qkv == "shared"
+    with pytest.raises(SpaceError, match=r"softmax_qkv.*'shared', 'own'"):
+        space_from_dict({"params": {"softmax_qkv": ["separate"]}})
 
 
 def test_branch_norm_is_a_routing_choice() -> None:
@@ -183,10 +196,12 @@ def test_routing_parameters_are_asked_only_of_models_that_route() -> None:
                                                             BASE.model.reg_lambda)
     routed = space.sample(FixedTrial({**params, "layer1": "nats", "chunk_size": 32,
                                       "branch_norm": "linear", "softmax_gain_init": None,
-                                      "budget_anneal": 0.0, "reg_lambda": 0.05}), BASE)
+                                      "softmax_qkv": "own", "budget_anneal": 0.0,
+                                      "reg_lambda": 0.05}), BASE)
     assert (routed.model.chunk_size, routed.model.reg_lambda) == (32, 0.05)
-    assert routed.model.branch_norm == "linear"
+    assert routed.model.branch_norm == "linear" and routed.model.softmax_qkv == "own"
     assert got.model.branch_norm == BASE.model.branch_norm == "scaled"
+    assert got.model.softmax_qkv == BASE.model.softmax_qkv == "shared"
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     for _ in range(20):
