@@ -104,7 +104,7 @@ def test_all_linear_nats_branch_is_the_plain_layers_operator(linear_op):
     assert rel_err(plain(x)[0], plain.out(rms_norm(o, eps=cfg.norm_eps), x)) < 1e-12
     y, routing = nats(x)
     assert routing.routes[..., 0].sum() == 0
-    qs, ks, vs = nats._softmax_heads(*nats.qkv(x), 0)
+    qs, ks, vs = nats._softmax_heads(nats.qkv(x), 0)
     o_sm = hybrid_softmax_attention(qs, ks, vs, routing.routes, cfg.chunk_size)
     assert rel_err(y, nats._merge(nats.qkv(x)[0], o, o_sm, x)) < 1e-12
 
