@@ -1,4 +1,4 @@
-"""Where a learned router helps or hurts: the CI routing test's setting under four trainings.
+"""Where a learned router helps or hurts: the CI routing test's setting under five trainings.
 
     python experiments/router_ablation.py --seeds 0 1 2 3 4        # ~80 s a run, one thread
 
@@ -6,6 +6,8 @@ MQAR at 64 tokens, its 4 pairs in the first of four 16-token chunks, a 2-layer w
 NAtS-L model, 600 steps at lr 1e-2 (``tests/trainers/test_routing_learns.py``), trained as
 
 * ``detached``: the defaults (the scorer's input detached, ``scorer_detach=True``);
+* ``own``: the defaults with the softmax branch's q/k/v from its own projection
+  (``softmax_qkv="own"``);
 * ``attached``: the route gradient flows from the scorer back into the residual stream
   (``scorer_detach=False``, the official layer's way);
 * ``linear``: every route forced to linear (the layer's own linear model);
@@ -31,7 +33,7 @@ import nats.trainers.loop as loop
 from nats import NatsConfig, NatsForCausalLM
 from nats.trainers import TrainConfig, train
 
-MODES = ("detached", "attached", "linear", "random")
+MODES = ("detached", "own", "attached", "linear", "random")
 
 
 def random_routes(share: float):
@@ -46,7 +48,8 @@ def run(mode: str, seed: int) -> dict[str, float]:
     model = NatsConfig(vocab_size=32, d_model=64, n_layers=2, n_heads=2,
                        softmax_heads_per_head=2, head_dim_k=32, head_dim_v=32, chunk_size=16,
                        layer_types=("nats", "nats"), rope=True,
-                       scorer_detach=mode != "attached")
+                       scorer_detach=mode != "attached",
+                       softmax_qkv="own" if mode == "own" else "shared")
     forced = {"linear": "linear", "random": "random"}.get(mode)
     original_routes, original_set = nats_attention.forced_routes, loop.set_exploration
     if mode == "random":

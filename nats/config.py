@@ -146,8 +146,10 @@ class NatsConfig:
     branch (one projection, the official layer's) or its ``own`` projection and short
     convolution (``SOFTMAX_QKVS``). Shared, the linear branch's gradient also trains the
     softmax branch's inputs and held it on the needle's plateau; own, a routed model
-    retrieved the needle on 4 of 6 seeds instead of 0 (docs/RESULTS.md), for
-    ``d_model * (2 head_dim_k + head_dim_v) * n_heads`` more weights a layer."""
+    retrieved the needle on 4 of 6 seeds instead of 0, but small-scale recall, which the
+    softmax branch's gradient into the shared inputs teaches, was learned on none of 5
+    instead of 3 (docs/RESULTS.md). Own costs ``d_model * (2 head_dim_k + head_dim_v) *
+    n_heads`` more weights a layer."""
     branch_gamma: bool = False
     """A separate per-channel weight for each branch in the merge (``w_LA N(o_LA) gamma +
     w_SM N(o_SM) gamma_SM``) instead of one after the sum: the official layer's gated
