@@ -80,28 +80,21 @@ def test_linear_op_dimension_validates_and_samples_every_operator() -> None:
     assert "linear_op" in {d.name for d in load_space("full").dims}
 
 
-def test_softmax_qkv_is_a_routing_choice() -> None:
-    space = space_from_dict({"params": {"softmax_qkv": ["shared", "own"],
+@pytest.mark.parametrize(("key", "values", "bad", "allowed"), [
+    ("branch_norm", ["both", "linear"], "rms", "'both'"),
+    ("softmax_qkv", ["shared", "own"], "separate", "'shared', 'own'"),
+])
+def test_a_merge_setting_is_a_routing_choice(key: str, values: list[str], bad: str,
+                                             allowed: str) -> None:
+    """Asked, and applied, only of a model with a NAtS-L layer; checked against its set."""
+    space = space_from_dict({"params": {key: values,
                                         "layers": {"choices": ["nats", "linear"]}, "n_layers": 2}})
-    got = space.sample(FixedTrial({"layer0": "nats", "layer1": "linear", "softmax_qkv": "own"}),
-                       BASE)
-    assert got.model.softmax_qkv == "own"
+    got = space.sample(FixedTrial({"layer0": "nats", "layer1": "linear", key: values[1]}), BASE)
+    assert getattr(got.model, key) == values[1] != getattr(BASE.model, key)
     plain = space.sample(FixedTrial({"layer0": "linear", "layer1": "linear"}), BASE)  # not asked
-    assert plain.model.softmax_qkv == "shared"
-    with pytest.raises(SpaceError, match=r"softmax_qkv.*'shared', 'own'"):
-        space_from_dict({"params": {"softmax_qkv": ["separate"]}})
-
-
-def test_branch_norm_is_a_routing_choice() -> None:
-    space = space_from_dict({"params": {"branch_norm": ["both", "linear"],
-                                        "layers": {"choices": ["nats", "linear"]}, "n_layers": 2}})
-    got = space.sample(FixedTrial({"layer0": "nats", "layer1": "linear", "branch_norm": "linear"}),
-                       BASE)
-    assert got.model.branch_norm == "linear"
-    plain = space.sample(FixedTrial({"layer0": "linear", "layer1": "linear"}), BASE)  # not asked
-    assert plain.model.branch_norm == BASE.model.branch_norm
-    with pytest.raises(SpaceError, match=r"branch_norm.*'both'"):
-        space_from_dict({"params": {"branch_norm": ["rms"]}})
+    assert getattr(plain.model, key) == getattr(BASE.model, key)
+    with pytest.raises(SpaceError, match=rf"{key}.*{allowed}"):
+        space_from_dict({"params": {key: [bad]}})
 
 
 def test_softmax_gain_is_a_routing_choice_that_may_be_none() -> None:
