@@ -1,20 +1,20 @@
-"""Where a learned router helps or hurts: the CI routing test's setting under five trainings.
+"""Where a learned router helps or hurts: the CI routing test's setting under four trainings.
 
     python experiments/router_ablation.py --seeds 0 1 2 3 4        # ~80 s a run, one thread
+    python experiments/router_ablation.py --modes detached linear --softmax-qkv own
 
 MQAR at 64 tokens, its 4 pairs in the first of four 16-token chunks, a 2-layer width-64
 NAtS-L model, 600 steps at lr 1e-2 (``tests/trainers/test_routing_learns.py``), trained as
 
 * ``detached``: the defaults (the scorer's input detached, ``scorer_detach=True``);
-* ``own``: the defaults with the softmax branch's q/k/v from its own projection
-  (``softmax_qkv="own"``);
 * ``attached``: the route gradient flows from the scorer back into the residual stream
   (``scorer_detach=False``, the official layer's way);
 * ``linear``: every route forced to linear (the layer's own linear model);
 * ``random``: routes drawn at random, 25 % softmax, content-blind, in training and in the
   evaluation (what routing costs the model when nothing is learned about it).
 
-Prints one markdown row per mode: accuracy per seed on 8 held-out batches, mean +- std,
+``--softmax-qkv own`` gives the softmax branch q/k/v of its own in every mode. Prints one
+markdown row per mode: accuracy per seed on 8 held-out batches, mean +- std,
 and the share of the pairs' chunk and of other chunks sent to softmax.
 """
 
@@ -31,9 +31,10 @@ import torch.nn.functional as F
 import nats.layers.nats_attention as nats_attention
 import nats.trainers.loop as loop
 from nats import NatsConfig, NatsForCausalLM
+from nats.config import SOFTMAX_QKVS
 from nats.trainers import TrainConfig, train
 
-MODES = ("detached", "own", "attached", "linear", "random")
+MODES = ("detached", "attached", "linear", "random")
 
 
 def random_routes(share: float):
@@ -44,12 +45,12 @@ def random_routes(share: float):
     return draw
 
 
-def run(mode: str, seed: int) -> dict[str, float]:
+def run(mode: str, seed: int, softmax_qkv: str = "shared") -> dict[str, float]:
     model = NatsConfig(vocab_size=32, d_model=64, n_layers=2, n_heads=2,
                        softmax_heads_per_head=2, head_dim_k=32, head_dim_v=32, chunk_size=16,
                        layer_types=("nats", "nats"), rope=True,
                        scorer_detach=mode != "attached",
-                       softmax_qkv="own" if mode == "own" else "shared")
+                       softmax_qkv=softmax_qkv)
     forced = {"linear": "linear", "random": "random"}.get(mode)
     original_routes, original_set = nats_attention.forced_routes, loop.set_exploration
     if mode == "random":
@@ -75,13 +76,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--softmax-qkv", choices=SOFTMAX_QKVS, default="shared")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print("| training | " + " | ".join(f"seed {s}" for s in args.seeds)
           + " | mean +- std | pairs' chunk / others to softmax |")
     print("|---" * (len(args.seeds) + 3) + "|")
     for mode in args.modes:
-        got = [run(mode, seed) for seed in args.seeds]
+        got = [run(mode, seed, args.softmax_qkv) for seed in args.seeds]
         for seed, m in zip(args.seeds, got, strict=True):
             print(json.dumps({"mode": mode, "seed": seed, **m}), flush=True)
         acc = [m["eval/acc"] for m in got]
