@@ -29,12 +29,14 @@ OUTPUT_GATES = ("silu", "none")
 """``silu``: the output is multiplied by ``SiLU(W_g x)`` (fla, the official NAtS-L layer);
 ``none``: no output gate (Zoology's MQAR recipe for Gated DeltaNet)."""
 BRANCH_NORMS = ("both", "linear", "scaled", "none")
-SOFTMAX_QKVS = ("shared", "own")
 """Which branch outputs a NAtS-L layer RMS-normalises before merging them: ``both`` (the
 official layer), ``linear`` (only the linear branch, as Gated DeltaNet normalises its own
 output; the softmax output keeps its magnitude, as a transformer's does), ``scaled`` (the
 linear branch per token; the softmax branch divided by its running RMS per head, one
 number per head: its per-token magnitude is kept, at the linear branch's scale), ``none``."""
+SOFTMAX_QKVS = ("shared", "own")
+"""Where a NAtS-L layer's softmax heads read q, k and v: the projection the linear branch
+reads (``shared``, the official layer), or one of their own (``own``)."""
 SCORER_INITS = ("normal", "zero")
 """``normal``: the scorer's weight drawn like every other (the official layer); ``zero``:
 every chunk starts undecided, so no early content-blind preference is baked in."""
