@@ -30,6 +30,10 @@ Rows, each a model of that scale's layers:
   projection too;
 * ``routed-own-qkv-anneal``: ``routed-own-qkv`` with the budget annealed from 1 over the
   first half (``budget_anneal=0.5``): the softmax branch learns on every chunk first.
+* ``routed-plus-qkv``: ``routed`` with the softmax branch's q, k, v the shared ones plus
+  its own projection's (its convolution started at zero): the softmax gradient still
+  trains the shared projection, and the softmax branch can move away from what the linear
+  branch pulls it to.
 
 Prints a JSON line per run (validation loss, digit and whole-answer accuracy, the share
 of routable chunks on softmax and how much more often the needle's chunks go there than
@@ -103,9 +107,10 @@ def _detached_until(last_step: int | None) -> tuple[Merge, Callable]:
     return merge, set_exploration
 
 
-def _own_projection_layer(with_v: bool) -> dict[str, Callable]:
+def _own_projection_layer(with_v: bool, added: bool = False) -> dict[str, Callable]:
     """``NatsAttention`` methods whose softmax heads read q, k (and with ``with_v`` v) from
-    their own projection."""
+    their own projection; with ``added``, the shared ones plus their own (its convolution
+    starting at zero, so the model starts as the shared one)."""
     cls = nats_attention.NatsAttention
     init, forward, heads = cls.__init__, cls.forward, cls._softmax_heads
 
@@ -114,12 +119,17 @@ def _own_projection_layer(with_v: bool) -> dict[str, Callable]:
         dim = cfg.n_heads * cfg.head_dim_k
         dims = (dim, dim, cfg.n_heads * cfg.head_dim_v) if with_v else (dim, dim)
         self.softmax_qk = QKVProjection(cfg.d_model, dims, cfg.conv_size)
+        if added:  # the convolution: the model's init redraws every Linear weight
+            torch.nn.init.zeros_(self.softmax_qk.conv.weight)
 
     def own_forward(self, x):
         self.own_qk = self.softmax_qk(x)
         return forward(self, x)
 
     def own_heads(self, qkv, start):
+        if added:
+            own = zip(qkv[-3:], self.own_qk, strict=True)
+            return heads(self, tuple(a + b for a, b in own), start)
         return heads(self, self.own_qk if with_v else (*self.own_qk, qkv[2]), start)
 
     return {"__init__": own_init, "forward": own_forward, "_softmax_heads": own_heads}
@@ -127,7 +137,7 @@ def _own_projection_layer(with_v: bool) -> dict[str, Callable]:
 
 ROWS = ("softmax", "forced", "direct", "normed", "half", "detach", "routed", "routed-detach",
         "routed-detach-half", "own-qk", "own-qkv", "routed-own-qk", "routed-own-qkv",
-        "routed-own-qkv-anneal")
+        "routed-own-qkv-anneal", "routed-plus-qkv")
 SCALES = ("cpu", "gpu")
 
 
@@ -151,8 +161,8 @@ def _row_patches(row: str, steps: int) -> Iterator[None]:
     cls = nats_attention.NatsAttention
     original_methods = {name: getattr(cls, name) for name in ("__init__", "forward",
                                                               "_softmax_heads")}
-    if "own-qk" in row:
-        for name, method in _own_projection_layer("own-qkv" in row).items():
+    if "own-qk" in row or "plus-qkv" in row:
+        for name, method in _own_projection_layer("qkv" in row, "plus" in row).items():
             setattr(cls, name, method)
     if merge is not None:
         nats_attention.NatsAttention._merge = merge

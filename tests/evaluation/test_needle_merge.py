@@ -69,7 +69,7 @@ def test_direct_merge_with_a_softmax_layers_weights_is_that_layer(tmp_path: Path
 
 
 @pytest.mark.parametrize("row", ["own-qk", "own-qkv", "routed-own-qkv-anneal", "routed-detach-half",
-                                 "half"])
+                                 "half", "routed-plus-qkv"])
 def test_every_patch_is_undone(row: str, tmp_path: Path) -> None:
     cls = nats_attention.NatsAttention
     before = {n: getattr(cls, n) for n in ("__init__", "forward", "_softmax_heads", "_merge")}
@@ -110,3 +110,17 @@ def test_own_qkv_row_is_the_config_field_softmax_qkv_own(tmp_path: Path) -> None
             state[f"{prefix}qkv.{part}.weight"] = torch.cat([shared, own])
     model.load_state_dict(state)
     torch.testing.assert_close(model(batch[0]).logits, want, rtol=0, atol=0)
+
+
+def test_plus_qkv_starts_as_the_shared_model_and_trains_its_own_part(tmp_path: Path) -> None:
+    with needle_merge._row_patches("routed-plus-qkv", 100):
+        patched, batch = _model_and_batch(tmp_path)
+        got = patched(batch[0]).logits
+        next_token_cross_entropy(got, batch[1]).backward()
+    shared, _ = _model_and_batch(tmp_path)
+    state = {k: v for k, v in patched.state_dict().items() if ".softmax_qk." not in k}
+    shared.load_state_dict(state)
+    torch.testing.assert_close(got, shared(batch[0]).logits, rtol=0, atol=0)
+    for block in patched.blocks:
+        own = block.mixer.softmax_qk.conv.weight
+        assert not own.any() and own.grad.abs().max() > 0
