@@ -45,9 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import multiprocessing
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -205,8 +203,7 @@ def main() -> None:
     args = parser.parse_args()
     cells = [(row, seed) for row in args.rows for seed in args.seeds]
     results = []
-    # spawn: a forked process cannot use CUDA
-    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with common._executor(args.jobs) as pool:
         futures = [pool.submit(run, row, seed, args.out, args.scale, args.device)
                    for row, seed in cells]
         for future in futures:
