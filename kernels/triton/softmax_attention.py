@@ -261,7 +261,9 @@ def _bwd_kv_block(k, v, dk, dv, dz, q_desc, do_desc, hq, q0, lse_ptr, delta_ptr,
     return dk, dv, dz
 
 
-@triton.autotune(configs=_DKDV_CONFIGS, key=[*_TUNE_KEY, "ROUTE_GRAD"])
+# Tuning runs every config into the same DZ, and a config with whole-chunk key tiles
+# writes one slot of a chunk where one with half-chunk tiles wrote two: zeroed per run.
+@triton.autotune(configs=_DKDV_CONFIGS, key=[*_TUNE_KEY, "ROUTE_GRAD"], reset_to_zero=["DZ"])
 @triton.jit
 def _attn_bwd_dkdv(K, V, Q_DESC, DO_DESC, DK_, DV_, DZ, LSE, DELTA, BEFORE, CU_SEQLENS,
                    CHUNK_OFFSETS, CHUNK_SEQ, stride_kt, stride_kh, stride_vt,

@@ -7,12 +7,17 @@ output and gradient buffer starts as NaN, so an element a kernel fails to write 
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
 from nats.kernels import LINEAR, SOFTMAX, hybrid_softmax_attention, num_chunks
 from nats.kernels import reference as ref
+from nats.kernels.triton import softmax_attention as tsa
 from nats.kernels.triton.softmax_attention import hybrid_softmax_attention as triton_attn
 
 from .inputs import (
@@ -218,3 +223,56 @@ def test_bf16_varlen_matches_reference_on_gpu(chunk: int) -> None:
     routes = routes_with_softmax_fraction(1, n_total, heads, 0.25)
     compare(q, k, v, routes, chunk, torch.bfloat16, "both", 1e-2, 1e-2,
             cu_seqlens_of(lengths), backend_op=True, split_heads=True)
+
+
+AUTOTUNED = (tsa._attn_fwd, tsa._attn_bwd_dkdv, tsa._attn_bwd_dq)
+"""The autotuned kernels of one forward and backward pass."""
+
+
+def _winner_bench(winner: int) -> Callable[..., list[float]]:
+    """A stand-in for the autotuner's benchmark: it runs each config once, as tuning does,
+    and makes config ``winner`` (in tuning order) the fastest."""
+    calls = itertools.count()
+
+    def bench(kernel_call: Callable[[], None], quantiles: tuple[float, ...]) -> list[float]:
+        kernel_call()
+        return [0.0 if next(calls) == winner else 1.0] * len(quantiles)
+    return bench
+
+
+def check_autotuning_leaves_no_trace(monkeypatch: pytest.MonkeyPatch, winner: int, dim: int,
+                                     chunk: int, dtype: torch.dtype, batch: int,
+                                     seq_len: int) -> None:
+    """The result is the winning config's, whatever ran while tuning: a config that writes
+    fewer route-gradient slots of a chunk must not keep a slot that a config tried before
+    it wrote (the failed gate passes of RELIABILITY.md, when 128-key tiles won at chunk
+    128). Each autotuner tunes afresh and is made to pick config ``winner``."""
+    for kernel in AUTOTUNED:
+        monkeypatch.setattr(kernel, "cache", {})
+        monkeypatch.setitem(kernel.__dict__, "do_bench", _winner_bench(winner))
+    q, k, v = softmax_inputs(batch, seq_len, 4 * PER_HEAD, dim, torch.float32, seed=winner)
+    routes = routes_with_softmax_fraction(batch, num_chunks(seq_len, chunk), 4, 0.5)
+    compare(q, k, v, routes, chunk, dtype, "both", 1e-2, 1e-2, split_heads=True)
+    for kernel in AUTOTUNED:
+        assert kernel.best_config is kernel.configs[winner], kernel.fn.__name__
+
+
+@pytest.mark.skipif(CUDA, reason="interpreter configs; the GPU tunes its own")
+@pytest.mark.parametrize("winner", [0, 1])
+def test_autotuning_leaves_no_trace_interpreted(monkeypatch: pytest.MonkeyPatch,
+                                                winner: int) -> None:
+    chunk = 32
+    for kernel in AUTOTUNED:
+        # Key tiles of half a chunk (two route-gradient slots), then a whole chunk (one).
+        monkeypatch.setattr(kernel, "configs", [
+            triton.Config({"BLOCK_M": 32, "BLOCK_N": n}, pre_hook=tsa._set_block_rows)
+            for n in (chunk // 2, chunk)])
+    check_autotuning_leaves_no_trace(monkeypatch, winner, 16, chunk, torch.float32, 2, 70)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("winner", range(len(tsa._DKDV_CONFIGS)))
+@pytest.mark.parametrize(("dim", "chunk"), [(32, 128), (64, 64)])
+def test_autotuning_leaves_no_trace_on_gpu(monkeypatch: pytest.MonkeyPatch, winner: int,
+                                           dim: int, chunk: int) -> None:
+    check_autotuning_leaves_no_trace(monkeypatch, winner, dim, chunk, torch.bfloat16, 4, 300)
