@@ -45,10 +45,11 @@ def random_routes(share: float):
     return draw
 
 
-def run(mode: str, seed: int, softmax_qkv: str = "shared") -> dict[str, float]:
+def run(mode: str, seed: int, softmax_qkv: str = "shared", rope: bool = True,
+        ) -> dict[str, float]:
     model = NatsConfig(vocab_size=32, d_model=64, n_layers=2, n_heads=2,
                        softmax_heads_per_head=2, head_dim_k=32, head_dim_v=32, chunk_size=16,
-                       layer_types=("nats", "nats"), rope=True,
+                       layer_types=("nats", "nats"), rope=rope,
                        scorer_detach=mode != "attached",
                        softmax_qkv=softmax_qkv)
     forced = {"linear": "linear", "random": "random"}.get(mode)
@@ -77,13 +78,15 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--softmax-qkv", choices=SOFTMAX_QKVS, default="shared")
+    parser.add_argument("--no-rope", action="store_true",
+                        help="no rotary embedding on the softmax heads (the CI test uses it)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print("| training | " + " | ".join(f"seed {s}" for s in args.seeds)
           + " | mean +- std | pairs' chunk / others to softmax |")
     print("|---" * (len(args.seeds) + 3) + "|")
     for mode in args.modes:
-        got = [run(mode, seed, args.softmax_qkv) for seed in args.seeds]
+        got = [run(mode, seed, args.softmax_qkv, not args.no_rope) for seed in args.seeds]
         for seed, m in zip(args.seeds, got, strict=True):
             print(json.dumps({"mode": mode, "seed": seed, **m}), flush=True)
         acc = [m["eval/acc"] for m in got]
