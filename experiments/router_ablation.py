@@ -79,7 +79,8 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--softmax-qkv", choices=SOFTMAX_QKVS, default="shared")
     parser.add_argument("--no-rope", action="store_true",
-                        help="no rotary embedding on the softmax heads (the CI test uses it)")
+                        help="no rotary embedding on the softmax heads (the CI routing "
+                        "test has one)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print("| training | " + " | ".join(f"seed {s}" for s in args.seeds)
