@@ -82,6 +82,10 @@ class TrainConfig:
     """``auto`` (bf16 autocast on GPUs that have it, else fp32), ``bf16`` or ``fp32``."""
     compile: bool = False
     """``torch.compile`` the model."""
+    cuda_graph: bool = False
+    """Replay each step's GPU work from a CUDA graph (one process on a GPU): a NAtS-L step
+    is bound by Python and kernel launches, not by the GPU (``trainers/step.py``). Needs
+    batches of one shape and no route exploration (its noise scale is read on the host)."""
     init_from: str | None = None
     """A saved model folder (``save_pretrained``/``nats export``) whose weights start the run."""
     eval_interval: int = 100
@@ -170,9 +174,17 @@ class TrainConfig:
                   f"a divisor of batch_size={self.batch_size} (the batch is split into them)")
         if self.precision not in PRECISIONS:
             _fail("precision", self.precision, f"one of {PRECISIONS}")
-        for name in ("compile", "streaming"):
+        for name in ("compile", "cuda_graph", "streaming"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "true or false")
+        if self.cuda_graph and self.compile:
+            _fail("cuda_graph", self.cuda_graph, "false with compile = true (give one: the "
+                  "compiled model is not recorded)")
+        if self.cuda_graph and self.route_explore > 0:
+            _fail("cuda_graph", self.cuda_graph, f"false with route_explore = "
+                  f"{self.route_explore} (a recorded step cannot change its noise scale)")
+        if self.cuda_graph and self.device == "cpu":
+            _fail("cuda_graph", self.cuda_graph, "false on device cpu (CUDA graphs need a GPU)")
         for name, allowed in (("init_from", "null or a saved model folder"),
                               ("tokenizer", "null (bytes) or a folder with tokenizer.json")):
             value = getattr(self, name)

@@ -25,7 +25,6 @@ from tqdm import tqdm
 from nats import NatsConfig, NatsForCausalLM
 from nats.atomic_write import atomic_write_bytes
 from nats.folder_lock import FolderBusy, exclusive
-from nats.model import next_token_cross_entropy
 
 from .checkpoint import (
     CorruptCheckpoint,
@@ -38,7 +37,7 @@ from .checkpoint import (
 from .config import TrainConfig
 from .data import build_batches
 from .distributed import World, joined_world
-from .evaluation import evaluate, frac_scalars, labelled_token_count, route_frac_scalars
+from .evaluation import evaluate, frac_scalars, route_frac_scalars
 from .optim import build_optimizer, lr_at, set_lr
 from .route_control import (
     budget_active,
@@ -48,7 +47,7 @@ from .route_control import (
     set_exploration,
     update_budget,
 )
-from .synthetic import Batch
+from .step import EagerGradients, GraphedGradients, StepStats
 from .tensorboard_log import RunLog
 
 EvalCallback = Callable[[int, dict[str, float], NatsForCausalLM], None]
@@ -112,67 +111,9 @@ def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractCon
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
-@dataclass
-class _StepStats:
-    loss: float
-    ce: float
-    reg: float
-    attn_frac: list[torch.Tensor | None]
-    routable_frac: list[torch.Tensor | None]
-
-
 def reg_weight_at(step: int, config: TrainConfig) -> float:
     """Weight of the routing cost term at ``step``: 0 before ``reg_start`` of the run, 1 after."""
     return 0.0 if step < config.reg_start * config.steps else 1.0
-
-
-def _train_step(forward: Callable, ddp: DistributedDataParallel | None, batch: Batch,
-                config: TrainConfig, world: World, device: torch.device,
-                autocast: contextlib.AbstractContextManager, reg_weight: float) -> _StepStats:
-    """Gradients of one global batch, split over ranks and ``grad_accum_steps`` micro-batches.
-
-    Each micro-batch's loss is weighted by its share of the global batch's labelled tokens
-    (the regulariser by its share of sequences), so the gradient equals that of the whole
-    batch in one piece however it is split.
-    """
-    input_ids, labels = batch
-    global_rows, global_tokens = len(input_ids), max(labelled_token_count(labels), 1)
-    rows = world.rows(global_rows)
-    input_ids, labels = input_ids[rows].to(device), labels[rows].to(device)
-    micro = len(input_ids) // config.grad_accum_steps
-    totals = torch.zeros(2, device=device)  # ce summed over tokens, reg summed over rows
-    micro_fracs: list[list[torch.Tensor | None]] = []
-    micro_routable: list[list[torch.Tensor | None]] = []
-    for i in range(config.grad_accum_steps):
-        part = slice(i * micro, (i + 1) * micro)
-        last = i == config.grad_accum_steps - 1
-        with contextlib.nullcontext() if ddp is None or last else ddp.no_sync():
-            with autocast:
-                out = forward(input_ids[part])
-                ce_sum = next_token_cross_entropy(out.logits, labels[part], reduction="sum")
-            reg = out.reg_loss.float() * reg_weight
-            # DDP averages gradients over ranks: scale by the world size to get their sum.
-            loss = (ce_sum / global_tokens + reg * micro / global_rows) * world.size
-            loss.backward()
-        totals += torch.stack([ce_sum.detach(), reg.detach() * micro])
-        micro_fracs.append(out.attn_frac)
-        micro_routable.append([None if f is None else f.view(1) for f in out.routable_frac])
-    # Softmax fractions: mean over micro-batches (equal sizes), then over ranks.
-    fracs = [_micro_mean(micro_fracs, j) for j in range(len(micro_fracs[0]))]
-    routable = [_micro_mean(micro_routable, j) for j in range(len(micro_routable[0]))]
-    present = [f for f in (*fracs, *routable) if f is not None]
-    summed = world.sum(torch.cat([totals, *present]).detach())
-    ce, reg_mean = float(summed[0]) / global_tokens, float(summed[1]) / global_rows
-    summed_fracs = iter(summed[2:].split([f.numel() for f in present]))
-    attn_frac = [None if f is None else next(summed_fracs) / world.size for f in fracs]
-    routable_frac = [None if f is None else next(summed_fracs)[0] / world.size for f in routable]
-    return _StepStats(ce + reg_mean, ce, reg_mean, attn_frac, routable_frac)
-
-
-def _micro_mean(values: list[list[torch.Tensor | None]], layer: int) -> torch.Tensor | None:
-    if values[0][layer] is None:
-        return None
-    return torch.stack([m[layer] for m in values]).float().mean(0)
 
 
 def _start_or_resume(config: TrainConfig, resume: bool, model: NatsForCausalLM,
@@ -250,7 +191,7 @@ def _load_initial_weights(model: NatsForCausalLM, config: TrainConfig) -> None:
     tqdm.write(f"nats: starting from the weights in {config.init_from}")
 
 
-def _postfix(stats: _StepStats, lr: float, tokens_per_s: float) -> dict[str, str]:
+def _postfix(stats: StepStats, lr: float, tokens_per_s: float) -> dict[str, str]:
     postfix = {"loss": f"{stats.loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tokens_per_s:,.0f}"}
     frac = frac_scalars("train", stats.attn_frac).get("train/attn_frac")
     if frac is not None:
@@ -304,6 +245,10 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
     forward = ddp or model
     if config.compile:
         forward = torch.compile(forward)
+    if config.cuda_graph:
+        gradients = GraphedGradients(model, config, world, device, autocast)
+    else:
+        gradients = EagerGradients(forward, ddp, model, config, world, device, autocast)
     config_dict = config.to_dict()
     config_json = json.dumps(config_dict, indent=2)
     if world.is_main:
@@ -339,15 +284,11 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
                 set_lr(optimizer, lr)
                 noise = exploration_noise(step, config)
                 set_exploration(model, noise)
-                optimizer.zero_grad(set_to_none=True)
-                stats = _train_step(forward, ddp, batches.train(step), config, world, device,
-                                    autocast, reg_weight_at(step, config))
+                stats = gradients(batches.train(step), reg_weight_at(step, config))
                 if not math.isfinite(stats.loss):
                     raise ValueError(f"training diverged: the loss is {stats.loss} at step "
                                      f"{step + 1}; the newest checkpoint is {checkpoint}")
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
                 optimizer.step()
-                model.update_routing_statistics(world.sum)
                 if budget_active(step, config):
                     update_budget(model, stats.routable_frac, budget_target(step, config), config)
                 step += 1
@@ -359,7 +300,8 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
                 if step % config.log_interval == 0:
                     log.scalars({"train/loss": stats.loss, "train/ce": stats.ce,
                                  "train/reg": stats.reg, "train/lr": lr,
-                                 "train/grad_norm": float(grad_norm), "train/tokens_per_s": rate,
+                                 "train/grad_norm": float(stats.grad_norm),
+                                 "train/tokens_per_s": rate,
                                  "train/route_noise": noise,
                                  **frac_scalars("train", stats.attn_frac),
                                  **route_frac_scalars("train", stats.routable_frac),

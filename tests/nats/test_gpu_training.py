@@ -1,4 +1,5 @@
-"""On a CUDA GPU: bf16 training at the settings that once went to NaN stays finite."""
+"""On a CUDA GPU: bf16 training at the settings that once went to NaN stays finite; CUDA-graphed
+training steps train as the eager ones."""
 
 import copy
 import math
@@ -78,3 +79,39 @@ def test_a_graphed_training_step_trains_as_the_eager_one(layers, fraction, branc
     assert graphed_losses[-1] < graphed_losses[0] - 0.1
     for a, b in zip(eager_model.buffers(), graphed_model.buffers(), strict=True):
         assert torch.allclose(a.float(), b.float(), atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("grad_accum_steps", [1, 2])
+def test_nats_train_with_cuda_graph_trains_as_the_eager_run(tmp_path, monkeypatch,
+                                                            grad_accum_steps):
+    """``nats train --cuda-graph`` against the same run eager: all-NAtS-L under the budget
+    (its biases moved on the host between replays), the cost term switched on mid-run
+    (``reg_start``: its weight enters the graph as a tensor; at ``reg_lambda`` 1 a graph
+    that kept weight 0 would miss the loss by ~0.2), MQAR batches whose labelled-token
+    counts differ, one or two micro-batches. Every step after the second must be a
+    replay, and the losses, the budget's biases and the committed statistics agree with
+    the eager run's."""
+    replays = []
+    replay = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay",
+                        lambda graph: (replays.append(1), replay(graph))[1])
+    model = NatsConfig(vocab_size=512, d_model=128, n_layers=2, n_heads=2,
+                       softmax_heads_per_head=2, head_dim_k=64, head_dim_v=64, chunk_size=64,
+                       layer_types=("nats", "nats"), reg_lambda=1.0, branch_norm="scaled")
+    config = TrainConfig(model=model, task="mqar", steps=16, batch_size=8, seq_len=320,
+                         mqar_pairs=16, lr=3e-3, warmup_steps=2, reg_start=0.5,
+                         grad_accum_steps=grad_accum_steps, precision="fp32",
+                         eval_interval=8, log_interval=1, checkpoint_interval=100,
+                         device="cuda")
+    eager = train(config.replace(out_dir=str(tmp_path / "eager")))
+    eager_replays = len(replays)
+    graphed = train(config.replace(out_dir=str(tmp_path / "graphed"), cuda_graph=True))
+    assert eager_replays == 0 and len(replays) == config.steps - 2
+    assert graphed.train_losses == pytest.approx(eager.train_losses, abs=0.03)
+    jump = eager.train_losses[8] - eager.train_losses[7]
+    assert jump > 0.1  # the cost term's switch is in the losses compared
+    assert graphed.eval_metrics["eval/loss"] == pytest.approx(eager.eval_metrics["eval/loss"],
+                                                              abs=0.03)
+    for (name, a), (_, b) in zip(eager.model.named_buffers(), graphed.model.named_buffers(),
+                                 strict=True):
+        torch.testing.assert_close(b.float(), a.float(), atol=0.02, rtol=0.02, msg=name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import signal
@@ -16,7 +17,9 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 
 from nats import NatsForCausalLM
 from nats.trainers import build_batches, evaluate, latest_checkpoint, preset, train
+from nats.trainers.distributed import World
 from nats.trainers.routing_maps import routing_figure, routing_map_image
+from nats.trainers.step import GraphedGradients
 from nats.trainers.tensorboard_log import MAP_SEQUENCES
 
 from .conftest import MicroConfig
@@ -237,3 +240,13 @@ def test_the_cost_term_applies_from_reg_start_on(micro: MicroConfig, tmp_path: P
     half = run("half", 0.5, 0.5)  # steps 0-2 without it, 3-5 with it
     assert half.train_losses[:3] == plain.train_losses[:3]
     assert half.train_losses[3] > plain.train_losses[3]  # ce and the same params + 0.5 * reg
+
+
+@pytest.mark.parametrize(("device", "world"), [("cpu", World()), ("cuda", World(size=2))])
+def test_cuda_graph_steps_refuse_what_they_cannot_record(micro: MicroConfig, device: str,
+                                                          world: World) -> None:
+    """Where ``device="auto"`` resolved to a CPU, or under ``torchrun``, the graphed step
+    says why it cannot run (the GPU test module checks what it records)."""
+    with pytest.raises(ValueError, match="needs one process on a CUDA GPU"):
+        GraphedGradients(NatsForCausalLM(micro().model), micro(), world, torch.device(device),
+                         contextlib.nullcontext())
