@@ -4,7 +4,8 @@
     python experiments/router_ablation.py --modes detached linear --softmax-qkv own
 
 MQAR at 64 tokens, its 4 pairs in the first of four 16-token chunks, a 2-layer width-64
-NAtS-L model, 600 steps at lr 1e-2 (``tests/trainers/test_routing_learns.py``), trained as
+NAtS-L model, 600 steps (``--steps``) at lr 1e-2 (``tests/trainers/test_routing_learns.py``),
+trained as
 
 * ``detached``: the defaults (the scorer's input detached, ``scorer_detach=True``);
 * ``attached``: the route gradient flows from the scorer back into the residual stream
@@ -46,7 +47,7 @@ def random_routes(share: float):
 
 
 def run(mode: str, seed: int, softmax_qkv: str = "shared", rope: bool = True,
-        ) -> dict[str, float]:
+        steps: int = 600) -> dict[str, float]:
     model = NatsConfig(vocab_size=32, d_model=64, n_layers=2, n_heads=2,
                        softmax_heads_per_head=2, head_dim_k=32, head_dim_v=32, chunk_size=16,
                        layer_types=("nats", "nats"), rope=rope,
@@ -63,9 +64,9 @@ def run(mode: str, seed: int, softmax_qkv: str = "shared", rope: bool = True,
         loop.set_exploration = set_exploration
     try:
         with tempfile.TemporaryDirectory() as out:
-            config = TrainConfig(model=model, task="mqar", steps=600, batch_size=32,
+            config = TrainConfig(model=model, task="mqar", steps=steps, batch_size=32,
                                  seq_len=64, mqar_pairs=4, lr=1e-2, warmup_steps=60,
-                                 eval_interval=600, eval_batches=8, log_interval=100,
+                                 eval_interval=steps, eval_batches=8, log_interval=100,
                                  checkpoint_interval=100_000, device="cpu",
                                  out_dir=f"{out}/run", seed=seed)
             return train(config).eval_metrics
@@ -81,13 +82,16 @@ def main() -> None:
     parser.add_argument("--no-rope", action="store_true",
                         help="no rotary embedding on the softmax heads (the CI routing "
                         "test has one)")
+    parser.add_argument("--steps", type=int, default=600,
+                        help="training steps (the CI routing test's: 600)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print("| training | " + " | ".join(f"seed {s}" for s in args.seeds)
           + " | mean +- std | pairs' chunk / others to softmax |")
     print("|---" * (len(args.seeds) + 3) + "|")
     for mode in args.modes:
-        got = [run(mode, seed, args.softmax_qkv, not args.no_rope) for seed in args.seeds]
+        got = [run(mode, seed, args.softmax_qkv, not args.no_rope, args.steps)
+               for seed in args.seeds]
         for seed, m in zip(args.seeds, got, strict=True):
             print(json.dumps({"mode": mode, "seed": seed, **m}), flush=True)
         acc = [m["eval/acc"] for m in got]
