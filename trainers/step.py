@@ -146,8 +146,7 @@ class GraphedGradients:
         self.model, self.config, self.world, self.autocast = model, config, world, autocast
         self.eager = EagerGradients(model, None, model, config, world, device, autocast)
         self.steps = 0
-        self.replays = 0
-        """Steps replayed from the graph (the tests check that training used it)."""
+        """Calls so far (this process's steps, counted from a resume)."""
         self.graph: torch.cuda.CUDAGraph | None = None
         self.recorded: _Sums | None = None
         self.ids: torch.Tensor | None = None
@@ -166,8 +165,8 @@ class GraphedGradients:
             self.labels = labels.to(self.tokens.device)
         elif input_ids.shape != self.ids.shape or labels.shape != self.labels.shape:
             raise ValueError(f"TrainConfig.cuda_graph = True needs batches of one shape: "
-                             f"{tuple(self.ids.shape)} was recorded, step {self.steps} has "
-                             f"{tuple(input_ids.shape)}")
+                             f"{tuple(self.ids.shape)} was recorded, this process's step "
+                             f"{self.steps} has {tuple(input_ids.shape)}")
         else:
             self.ids.copy_(input_ids)
             self.labels.copy_(labels)
@@ -176,7 +175,6 @@ class GraphedGradients:
         if self.graph is None:
             return self._record(global_tokens, global_rows)
         self.graph.replay()
-        self.replays += 1
         return _stats(self.recorded, self.world, global_tokens, global_rows)
 
     def _gradients(self, global_rows: int) -> _Sums:
