@@ -47,7 +47,7 @@ from .route_control import (
     set_exploration,
     update_budget,
 )
-from .step import EagerGradients, GraphedGradients, StepStats
+from .step import EagerGradients, GraphedGradients, StepStats, check_graphable
 from .tensorboard_log import RunLog
 
 EvalCallback = Callable[[int, dict[str, float], NatsForCausalLM], None]
@@ -219,6 +219,8 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
         raise ValueError(f"TrainConfig.batch_size = {config.batch_size} is invalid: must be "
                          f"a multiple of {world.size} processes x grad_accum_steps = "
                          f"{config.grad_accum_steps}")
+    if config.cuda_graph:
+        check_graphable(device, world)
     if config.compile and device.type == "cpu" and config.seq_len % config.model.chunk_size:
         raise ValueError(
             f"TrainConfig.compile = True is invalid here: on a CPU, TorchInductor miscompiles "

@@ -126,6 +126,14 @@ class EagerGradients:
         return _stats(sums, self.world, global_tokens, global_rows)
 
 
+def check_graphable(device: torch.device, world: World) -> None:
+    """Refuse ``cuda_graph`` where it cannot record; the loop calls this before it builds
+    data or touches the run folder, so a wrong device costs nothing."""
+    if device.type != "cuda" or world.size != 1:
+        raise ValueError("TrainConfig.cuda_graph = True needs one process on a CUDA GPU "
+                         f"(got device {device}, {world.size} processes)")
+
+
 class GraphedGradients:
     """:class:`EagerGradients` on one GPU, from the second step on replayed from a CUDA graph.
 
@@ -140,9 +148,7 @@ class GraphedGradients:
 
     def __init__(self, model: NatsForCausalLM, config: TrainConfig, world: World,
                  device: torch.device, autocast: contextlib.AbstractContextManager) -> None:
-        if device.type != "cuda" or world.size != 1:
-            raise ValueError("TrainConfig.cuda_graph = True needs one process on a CUDA GPU "
-                             f"(got device {device}, {world.size} processes)")
+        check_graphable(device, world)
         self.model, self.config, self.world, self.autocast = model, config, world, autocast
         self.eager = EagerGradients(model, None, model, config, world, device, autocast)
         self.steps = 0

@@ -250,3 +250,14 @@ def test_cuda_graph_steps_refuse_what_they_cannot_record(micro: MicroConfig, dev
     with pytest.raises(ValueError, match="needs one process on a CUDA GPU"):
         GraphedGradients(NatsForCausalLM(micro().model), micro(), world, torch.device(device),
                          contextlib.nullcontext())
+
+
+def test_cuda_graph_on_a_cpu_is_refused_before_the_run_folder_is_made(
+        micro: MicroConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``device="auto"`` passes the config's checks and resolves to the CPU only in
+    ``train``: the refusal must come before data is built or the folder is claimed."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match="needs one process on a CUDA GPU"):
+        train(micro().replace(out_dir=str(out), device="auto", cuda_graph=True))
+    assert not out.exists()
