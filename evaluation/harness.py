@@ -83,8 +83,10 @@ def evaluate_slice(model: NatsForCausalLM, config: TrainConfig, batches: int,
         model(data[0][0][:1].to(device))
     memory = _Memory(device)
     start = time.perf_counter()
-    relevant = getattr(config.synthetic_task(), "relevant_positions", None)
-    result = evaluate(model, data, device, autocast, source.bytes_per_token, relevant)
+    task = config.synthetic_task()
+    relevant = getattr(task, "relevant_positions", None)
+    result = evaluate(model, data, device, autocast, source.bytes_per_token, relevant,
+                      getattr(task, "ONE_SPAN", False))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
@@ -111,6 +113,10 @@ def evaluate_slice(model: NatsForCausalLM, config: TrainConfig, batches: int,
         "metrics": m}
     if "eval/bpb" in m:
         out["bits_per_byte"] = m["eval/bpb"]
+    by_position = {k.removeprefix("eval/seq_acc/"): v for k, v in m.items()
+                   if k.startswith("eval/seq_acc/")}
+    if by_position:  # the needle: whole answers by where it sits
+        out["by_position"] = by_position
     if "eval/route_informative" in m:  # the task knows which chunks hold the answers
         out["routing"] = {k.removeprefix("eval/"): v for k, v in m.items()
                           if k.startswith("eval/route_")}
@@ -186,6 +192,10 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             lines.append("    per head, informative / filler to softmax: " + ", ".join(
                 f"{name.replace('/', ' ')} {v:.2f} / {routing[f'route_filler/{name}']:.2f}"
                 for name, v in heads))
+        if "by_position" in s:  # where the needle sat in the rows missed
+            lines.append("    whole answers by the needle's depth (% of the row) and chunks: "
+                         + ", ".join(f"{k.removeprefix('depth_').replace('_', ' ')} {v:.3f}"
+                                     for k, v in s["by_position"].items()))
     for p in report["prefill"]:
         lines.append(f"  prefill {p['seq_len']} tokens: {1000 * p['seconds']:.2f} ms")
     return lines

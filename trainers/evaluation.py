@@ -168,6 +168,45 @@ class RoutingPrecision:
         return out
 
 
+class SpanPosition:
+    """Share of rows answered whole by where their one informative span sits: the fifth of
+    the row its first token falls in, and whether it lies in one chunk or crosses a chunk
+    boundary (its two parts then take separate routes). A needle missed only past a depth,
+    or only across a boundary, points at the routing or the chunking rather than at the
+    model's reading of the needle."""
+
+    BINS = 5
+
+    def __init__(self) -> None:
+        self.counts = torch.zeros(self.BINS + 2, 2, dtype=torch.float64)
+        """Rows ``[depth bins..., in one chunk, across chunks]`` x ``(solved, rows)``."""
+
+    def add(self, relevant: torch.Tensor, solved: torch.Tensor, chunk_size: int) -> None:
+        """Count one batch: ``relevant`` bool ``[B, T]`` (one span per row), ``solved``
+        bool ``[B]``; rows with no relevant position are left out."""
+        relevant, solved = relevant.cpu(), solved.cpu()
+        t = relevant.shape[1]
+        has = relevant.any(1)
+        first = relevant.int().argmax(1)
+        last = t - 1 - relevant.flip(1).int().argmax(1)
+        depth = torch.clamp(first * self.BINS // t, max=self.BINS - 1)
+        across = first // chunk_size != last // chunk_size
+        chunks = torch.where(across, self.BINS + 1, self.BINS)
+        for group in (depth[has], chunks[has]):
+            self.counts[:, 0].index_add_(0, group, solved[has].double())
+            self.counts[:, 1].index_add_(0, group, torch.ones(len(group), dtype=torch.float64))
+
+    def metrics(self) -> dict[str, float]:
+        """``eval/seq_acc/depth_{lo}-{hi}`` (per cent of the row), ``eval/seq_acc/in_one_chunk``
+        and ``eval/seq_acc/across_chunks``, for the groups that hold a row."""
+        step = 100 // self.BINS
+        names = [f"depth_{i * step}-{(i + 1) * step}" for i in range(self.BINS)]
+        names += ["in_one_chunk", "across_chunks"]
+        return {f"eval/seq_acc/{name}": float(solved / rows)
+                for name, (solved, rows) in zip(names, self.counts.tolist(), strict=True)
+                if rows > 0}
+
+
 def labelled_token_count(labels: torch.Tensor) -> int:
     """Positions whose next-token label carries loss (the shift drops the first label)."""
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
@@ -177,13 +216,15 @@ def labelled_token_count(labels: torch.Tensor) -> int:
 def evaluate(model: NatsForCausalLM, batches: list[Batch], device: torch.device,
              autocast: contextlib.AbstractContextManager | None = None,
              bytes_per_token: float | None = None,
-             relevant: RelevantFn | None = None) -> Evaluation:
+             relevant: RelevantFn | None = None, by_position: bool = False) -> Evaluation:
     """Evaluate ``model`` on ``batches`` in eval mode.
 
     ``eval/acc`` is the share of labelled tokens predicted exactly (greedy) and
     ``eval/seq_acc`` the share of sequences whose labelled tokens are all right, e.g. MQAR
     queries or a needle's digits. ``eval/bpb`` (bits per byte) needs ``bytes_per_token``;
-    the routing precision (:class:`RoutingPrecision`) needs the task's ``relevant``.
+    the routing precision (:class:`RoutingPrecision`) needs the task's ``relevant``, and
+    ``by_position`` (tasks whose ``relevant`` marks one span per row, the needle) adds
+    :class:`SpanPosition`'s accuracies.
     """
     was_training = model.training
     model.eval()
@@ -193,6 +234,7 @@ def evaluate(model: NatsForCausalLM, batches: list[Batch], device: torch.device,
     routes: list[torch.Tensor | None] = []
     probs: list[list[torch.Tensor]] = []
     precision = RoutingPrecision()
+    where = SpanPosition()
     for i, (input_ids, labels) in enumerate(batches):
         input_ids, labels = input_ids.to(device), labels.to(device)
         with autocast or contextlib.nullcontext():
@@ -206,13 +248,17 @@ def evaluate(model: NatsForCausalLM, batches: list[Batch], device: torch.device,
         correct += int(hit.sum())
         has_labels = mask.any(1)
         sequences += int(has_labels.sum())
-        solved += int((has_labels & (hit == mask).all(1)).sum())
+        row_solved = has_labels & (hit == mask).all(1)
+        solved += int(row_solved.sum())
         for k, v in {**frac_scalars("eval", out.attn_frac),
                      **route_frac_scalars("eval", out.routable_frac)}.items():
             frac_sums[k] = frac_sums.get(k, 0.0) + v
-        if relevant is not None and model.nats_layers:
-            precision.add(out.routes, relevant(input_ids, labels), question_positions(labels),
+        marked = relevant(input_ids, labels) if relevant is not None else None
+        if marked is not None and model.nats_layers:
+            precision.add(out.routes, marked, question_positions(labels),
                           model.config.chunk_size)
+        if marked is not None and by_position:
+            where.add(marked, row_solved, model.config.chunk_size)
         if i == 0:
             routes = [r.detach() if r is not None else None for r in out.routes]
             probs = [[] for _ in out.probs]
@@ -229,7 +275,8 @@ def evaluate(model: NatsForCausalLM, batches: list[Batch], device: torch.device,
     metrics = {"eval/loss": ce + reg_sum / n, "eval/ce": ce, "eval/reg": reg_sum / n,
                "eval/ppl": math.exp(min(ce, 80.0)), "eval/acc": correct / max(tokens, 1),
                "eval/seq_acc": solved / max(sequences, 1),
-               **{k: v / n for k, v in frac_sums.items()}, **precision.metrics()}
+               **{k: v / n for k, v in frac_sums.items()}, **precision.metrics(),
+               **where.metrics()}
     if bytes_per_token is not None:
         metrics["eval/bpb"] = ce / math.log(2) / bytes_per_token
     return Evaluation(metrics, routes, [torch.cat(p) if p else None for p in probs])

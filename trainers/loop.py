@@ -229,7 +229,9 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
     out_dir = Path(config.out_dir)
     batches = build_batches(config)
     eval_batches = batches.eval(config.eval_batches)
-    relevant = getattr(config.synthetic_task(), "relevant_positions", None)
+    task = config.synthetic_task()
+    relevant = getattr(task, "relevant_positions", None)
+    by_position = getattr(task, "ONE_SPAN", False)
     autocast = autocast_for(config.precision, device)
 
     torch.manual_seed(config.seed)
@@ -313,7 +315,7 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
                 if world.is_main and (step % config.eval_interval == 0
                                       or step == config.steps):
                     result = evaluate(model, eval_batches, device, autocast,
-                                      batches.bytes_per_token, relevant)
+                                      batches.bytes_per_token, relevant, by_position)
                     eval_metrics = result.metrics
                     log.evaluation(result, step, config.model, config.seq_len)
                     tqdm.write(_eval_line(step, eval_metrics))

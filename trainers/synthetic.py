@@ -201,6 +201,9 @@ class NeedleTask:
 
     DIGITS: ClassVar[int] = 10
     VALUE_DIGITS: ClassVar[int] = 7
+    ONE_SPAN: ClassVar[bool] = True
+    """:meth:`relevant_positions` marks one span per row: evaluation reports accuracy by
+    where it sits (:class:`~nats.trainers.evaluation.SpanPosition`)."""
     MIN_VOCAB: ClassVar[int] = 16
     HAYSTACKS: ClassVar[tuple[str, ...]] = ("random", "repeated", "text")
     REPEATED_FILLER: ClassVar[bytes] = (b"The grass is green. The sky is blue. The sun is "

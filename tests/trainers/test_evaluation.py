@@ -10,6 +10,7 @@ import torch
 from nats import NatsConfig, NatsForCausalLM
 from nats.model import IGNORE_INDEX
 from nats.trainers import evaluate
+from nats.trainers.synthetic import MQARTask, NeedleTask
 
 
 @torch.no_grad()
@@ -92,3 +93,40 @@ def test_layer_fractions_read_back_what_frac_scalars_wrote() -> None:
     assert layer_fractions(("nats", "linear", "nats"), metrics) == [0.5, None, 1.0]
     with pytest.raises(ValueError, match="eval/attn_frac/layer1"):
         layer_fractions(("softmax", "nats"), metrics)
+
+
+
+@torch.no_grad()
+def test_needle_accuracy_by_position_matches_a_row_by_row_recount() -> None:
+    """Whole answers by the needle's depth and by whether it crosses a chunk boundary,
+    against a loop that finds each row's needle by hand; MQAR (many spans) has none."""
+    torch.manual_seed(0)
+    task = NeedleTask(vocab_size=64, seq_len=90, haystack="random")
+    config = NatsConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, head_dim_k=8,
+                        head_dim_v=8, chunk_size=16, layer_types=("nats",))
+    model = NatsForCausalLM(config).eval()
+    generator = torch.Generator().manual_seed(1)
+    batches = [task.sample(16, generator) for _ in range(3)]
+    n = task.key_len + task.VALUE_DIGITS
+    want: dict[str, list[bool]] = {}
+    for input_ids, labels in batches:
+        guess = model(input_ids).logits[:, :-1].argmax(-1)
+        labels[::2, -7:] = guess[::2, -7:]  # every other row answered as the model does
+        for row, g, label in zip(input_ids.tolist(), guess, labels[:, 1:], strict=True):
+            solved = bool((g[-7:] == label[-7:]).all())
+            start = next(i for i in range(len(row) - n) if row[i:i + n] == row[-n:])
+            lo = 20 * min(5 * start // 90, 4)
+            want.setdefault(f"depth_{lo}-{lo + 20}", []).append(solved)
+            one_chunk = start // 16 == (start + n - 1) // 16
+            want.setdefault("in_one_chunk" if one_chunk else "across_chunks", []).append(solved)
+
+    metrics = evaluate(model, batches, torch.device("cpu"), relevant=task.relevant_positions,
+                       by_position=True).metrics
+    got = {k.removeprefix("eval/seq_acc/"): v for k, v in metrics.items()
+           if k.startswith("eval/seq_acc/")}
+    assert got == pytest.approx({k: sum(v) / len(v) for k, v in want.items()})
+    assert 0 < metrics["eval/seq_acc"] < 1 and len(want) >= 6
+    mqar = MQARTask(vocab_size=64, seq_len=32, pairs=4)
+    plain = evaluate(model, [mqar.sample(4, generator)], torch.device("cpu"),
+                     relevant=MQARTask.relevant_positions).metrics
+    assert not any(k.startswith("eval/seq_acc/") for k in plain)
