@@ -76,7 +76,8 @@ class NatsLayerCache(_Buffers):
     ``store_k/v`` ``[B, H, r, M, C, D]`` hold per routing head its softmax chunks in
     order (the first ``store_chunks[b, h]`` chunks are real); ``chunk_k/v``
     ``[B, H*r, C, D]`` the unfinished chunk, of which the first ``open_len`` tokens are
-    real; ``pool_sum`` ``[B, D_model]`` the scorer's running sum over it and
+    real; ``pool_sum`` and ``pool_max`` ``[B, D_model]`` the scorer's running sum and
+    maximum over it (``-inf`` while it is empty) and
     ``chunk_log_decay`` ``[B, H]`` its summed log decay (zeros for operators without a
     decay gate). ``state`` and ``snapshot`` are the linear operator's, two buffers
     (``Dv + 1`` columns for linear attention: the normaliser restores with it).
@@ -90,6 +91,7 @@ class NatsLayerCache(_Buffers):
     chunk_v: torch.Tensor
     open_len: int
     pool_sum: torch.Tensor
+    pool_max: torch.Tensor
     store_k: torch.Tensor
     store_v: torch.Tensor
     store_chunks: torch.Tensor

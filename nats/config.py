@@ -37,6 +37,11 @@ number per head: its per-token magnitude is kept, at the linear branch's scale),
 SOFTMAX_QKVS = ("shared", "own")
 """Where a NAtS-L layer's softmax heads read q, k and v: the projection the linear branch
 reads (``shared``, the official layer), or one of their own (``own``)."""
+SCORER_POOLS = ("mean", "max", "mean_max")
+"""How the scorer summarises a chunk: the mean of the layer's normalised input over it (the
+official layer), its maximum per feature, or both side by side (twice the scorer's
+input). A mean weighs a few informative tokens by their count, so a needle cut by a chunk
+boundary is a fragment in each chunk; a maximum sees one token as well as ten."""
 SCORER_INITS = ("normal", "zero")
 """``normal``: the scorer's weight drawn like every other (the official layer); ``zero``:
 every chunk starts undecided, so no early content-blind preference is baked in."""
@@ -109,6 +114,11 @@ class NatsConfig:
     """Centre and scale the pooled chunk input per feature by running statistics over
     chunks before the scorer, so its logits compare chunks rather than move with what they
     all share (see ``ChunkScorer``)."""
+    scorer_pool: str = "mean"
+    """The scorer's input per chunk: ``mean``, ``max`` or ``mean_max`` (``SCORER_POOLS``).
+    With the mean, a routed model answered needles inside one chunk (0.99) but not those a
+    chunk boundary cuts (0.35): the router sent only the part with more of the needle to
+    softmax (docs/RESULTS.md, "Needles a chunk boundary cuts")."""
     scorer_init: str = "zero"
     """``zero``: every chunk starts undecided; ``normal``: drawn like every weight."""
     scorer_detach: bool = True
@@ -206,7 +216,7 @@ class NatsConfig:
         for name, allowed in (("sampler", SAMPLERS), ("route_grad", ROUTE_GRADS),
                               ("scorer_init", SCORER_INITS), ("budget_scope", BUDGET_SCOPES),
                               ("output_gate", OUTPUT_GATES), ("branch_norm", BRANCH_NORMS),
-                              ("softmax_qkv", SOFTMAX_QKVS)):
+                              ("softmax_qkv", SOFTMAX_QKVS), ("scorer_pool", SCORER_POOLS)):
             if getattr(self, name) not in allowed:
                 _fail(name, getattr(self, name), f"one of {allowed}")
         target = self.softmax_target
@@ -303,7 +313,7 @@ class NatsConfig:
 OFFICIAL_RECIPE: dict[str, Any] = {
     "route_grad": "selected", "scorer_norm": False, "scorer_init": "normal",
     "scorer_detach": False, "softmax_target": None, "output_gate": "silu", "branch_norm": "both",
-    "softmax_gain_init": None, "softmax_qkv": "shared"}
+    "softmax_gain_init": None, "softmax_qkv": "shared", "scorer_pool": "mean"}
 """The router and output settings of the official NAtS-L code (automl/
 NeuralAttentionSearchLinear, 340M config): only the chosen option's route gradient, a
 raw pooled input that the route gradient flows back into, the scorer drawn like every

@@ -150,7 +150,8 @@ def config_to_official(cfg: NatsConfig) -> dict[str, Any]:
               "branch_norm": ("both", "the official merge normalises both branches"),
               "softmax_gain_init": (None, "the official merge has no softmax gain"),
               "linear_op": ("gated_deltanet", "the official layers are Gated DeltaNet"),
-              "softmax_qkv": ("shared", "the official branches share one q/k/v projection")}
+              "softmax_qkv": ("shared", "the official branches share one q/k/v projection"),
+              "scorer_pool": ("mean", "the official scorer reads the chunk mean")}
     for name, (value, why) in wanted.items():
         if getattr(cfg, name) != value:
             raise ConfigError(f"NatsConfig.{name} = {getattr(cfg, name)!r} cannot be converted "

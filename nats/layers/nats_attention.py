@@ -9,6 +9,7 @@ softmax head by learned weights.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,9 +32,11 @@ from .routing import (
     ChunkScorer,
     RouteOverride,
     RunningMoments,
-    chunk_mean_pool,
+    chunk_pool,
     forced_routes,
+    pooled_width,
     sample_routes,
+    scorer_input,
 )
 
 
@@ -74,8 +77,8 @@ class NatsAttention(nn.Module):
         self.k_norm = RMSNorm(cfg.softmax_head_dim_k, cfg.norm_eps, cfg.backend)
         self.linear = LinearOperator.from_config(cfg)
         self.gates = self.linear.gates(cfg.d_model)
-        self.scorer = ChunkScorer(cfg.d_model, h, norm=cfg.scorer_norm,
-                                  detach=cfg.scorer_detach)
+        self.scorer = ChunkScorer(pooled_width(cfg.d_model, cfg.scorer_pool), h,
+                                  norm=cfg.scorer_norm, detach=cfg.scorer_detach)
         if cfg.softmax_target is not None:
             self.budget = BudgetedScores(h, cfg.softmax_target)
         self.mix = nn.Linear(h * cfg.head_dim_k, 2 * h * r, bias=False)
@@ -166,7 +169,7 @@ class NatsAttention(nn.Module):
         cfg, c = self.cfg, self.cfg.chunk_size
         seq_len = x.shape[1]
         q, k, v = qkv[:3]
-        routes, probs = self._route(chunk_mean_pool(x, c), 0)
+        routes, probs = self._route(chunk_pool(x, c, cfg.scorer_pool), 0)
         qs, ks, vs = self._softmax_heads(qkv, 0)
         ql, kl, vl = self.linear.features(q, k, v)
         gates = self.gates(x)
@@ -186,7 +189,8 @@ class NatsAttention(nn.Module):
                 snapshot=snapshot.to(state.dtype, copy=True),
                 chunk_log_decay=gates.g[:, done:].sum(1), chunk_k=self._open_chunk(ks, done),
                 chunk_v=self._open_chunk(vs, done), open_len=seq_len - done,
-                pool_sum=upcast(x[:, done:]).sum(1), store_k=store_k, store_v=store_v,
+                pool_sum=upcast(x[:, done:]).sum(1), pool_max=self._open_max(x, done),
+                store_k=store_k, store_v=store_v,
                 store_chunks=store_chunks)
         routable = slice(0, routes.shape[1] - 1)
         reg = probs[:, routable, :, SOFTMAX].mean() if routes.shape[1] > 1 else probs.new_zeros(())
@@ -228,6 +232,14 @@ class NatsAttention(nn.Module):
         """The unfinished chunk's tokens ``x[:, done:]`` in a ``[B, H*r, C, D]`` buffer."""
         tail = x[:, done:].transpose(1, 2)
         return F.pad(tail, (0, 0, 0, self.cfg.chunk_size - tail.shape[2]))
+
+    @staticmethod
+    def _open_max(x: torch.Tensor, done: int) -> torch.Tensor:
+        """The scorer's running maximum over the unfinished chunk ``x[:, done:]`` (``-inf``
+        while it is empty)."""
+        if done == x.shape[1]:
+            return upcast(x[:, 0]).new_full((x.shape[0], x.shape[2]), -math.inf)
+        return upcast(x[:, done:]).amax(1)
 
     def _pack_store(self, ks: torch.Tensor, vs: torch.Tensor, routes: torch.Tensor, done: int):
         """Keys/values of the ``done`` finished softmax chunks, packed in order per head.
@@ -278,6 +290,7 @@ class NatsAttention(nn.Module):
         cache.chunk_k.index_copy_(2, slot, ks.transpose(1, 2))
         cache.chunk_v.index_copy_(2, slot, vs.transpose(1, 2))
         cache.pool_sum.add_(upcast(x[:, 0]))
+        torch.maximum(cache.pool_max, upcast(x[:, 0]), out=cache.pool_max)
         store_k, store_v = cache.store_k.flatten(3, 4), cache.store_v.flatten(3, 4)
         o_sm = hybrid_attention_decode(qs[:, 0], store_k, store_v, cache.store_chunks * c,
                                        cache.chunk_k, cache.chunk_v, slot + 1,
@@ -294,7 +307,8 @@ class NatsAttention(nn.Module):
     def _close_chunk(self, cache: NatsLayerCache, chunk: int) -> None:
         """Score the finished chunk; SM keeps its keys and restores the snapshot decayed by
         the chunk's summed log gates (zero, so undecayed, for operators without a decay)."""
-        pooled = (cache.pool_sum / self.cfg.chunk_size).to(self.scorer.proj.weight.dtype)
+        pooled = scorer_input(cache.pool_sum / self.cfg.chunk_size, cache.pool_max,
+                              self.cfg.scorer_pool).to(self.scorer.proj.weight.dtype)
         routes, _ = self._route(pooled[:, None], chunk)
         is_sm = routes[:, 0, :, SOFTMAX] > 0.5  # [B, H]
         decayed = cache.snapshot * cache.chunk_log_decay.exp()[..., None, None]
@@ -302,4 +316,5 @@ class NatsAttention(nn.Module):
         cache.snapshot.copy_(cache.state)
         cache.append_chunk(is_sm)
         cache.pool_sum.zero_()
+        cache.pool_max.fill_(-math.inf)
         cache.chunk_log_decay.zero_()

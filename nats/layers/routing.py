@@ -36,6 +36,37 @@ def chunk_mean_pool(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
     return padded.sum(2) / counts[None, :, None]
 
 
+def chunk_max_pool(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Maximum of ``x`` ``[B, T, D]`` per feature over each chunk (a partial last chunk
+    over its tokens)."""
+    batch, seq_len, dim = x.shape
+    n = num_chunks(seq_len, chunk_size)
+    padded = F.pad(x, (0, 0, 0, n * chunk_size - seq_len), value=-math.inf)
+    return padded.view(batch, n, chunk_size, dim).amax(2)
+
+
+def scorer_input(mean: torch.Tensor | None, peak: torch.Tensor | None,
+                 pool: str) -> torch.Tensor:
+    """The scorer's input from a chunk's mean and maximum (``NatsConfig.scorer_pool``;
+    the one it does not read may be ``None``)."""
+    if pool == "mean":
+        return mean
+    if pool == "max":
+        return peak
+    return torch.cat([mean, peak], -1)
+
+
+def chunk_pool(x: torch.Tensor, chunk_size: int, pool: str) -> torch.Tensor:
+    """The scorer's input for every chunk of ``x`` ``[B, T, D]``."""
+    return scorer_input(chunk_mean_pool(x, chunk_size) if pool != "max" else None,
+                        chunk_max_pool(x, chunk_size) if pool != "mean" else None, pool)
+
+
+def pooled_width(d_model: int, pool: str) -> int:
+    """Features of the scorer's input."""
+    return 2 * d_model if pool == "mean_max" else d_model
+
+
 class RunningMoments(nn.Module):
     """Running mean and variance of a batch of vectors ``[..., C]`` (the routing's pooled
     chunks and scores; the softmax output's mean square under ``branch_norm="scaled"``).
@@ -113,7 +144,8 @@ class RunningMoments(nn.Module):
 
 
 class ChunkScorer(nn.Module):
-    """Bias-free linear on a chunk's mean input: two logits per (chunk, routing head).
+    """Bias-free linear on a chunk's pooled input (:func:`chunk_pool`): two logits per
+    (chunk, routing head).
 
     With ``detach`` the route gradient stops at the scorer (``NatsConfig.scorer_detach``).
     With ``norm`` the pooled vector is first centred and scaled per feature by running

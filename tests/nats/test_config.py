@@ -35,6 +35,8 @@ from nats import ConfigError, NatsConfig
         ({"softmax_gain_init": "0.05"}, r"softmax_gain_init = '0\.05' .*positive finite"),
         ({"softmax_qkv": "separate"}, r"NatsConfig\.softmax_qkv = 'separate' .*one of "
                                       r"\('shared', 'own'\)"),
+        ({"scorer_pool": "sum"}, r"NatsConfig\.scorer_pool = 'sum' .*one of "
+                                 r"\('mean', 'max', 'mean_max'\)"),
     ],
 )
 def test_bad_values_name_the_field_and_allowed_values(changes, message):

@@ -34,6 +34,19 @@ def test_decoding_with_the_softmax_branchs_own_qkv(seq_len, prompt_len):
     assert rel_err(decode_logits(model, ids, prompt_len), full) < 1e-12
 
 
+@pytest.mark.parametrize("pool", ["max", "mean_max"])
+@pytest.mark.parametrize(("seq_len", "prompt_len"), [(45, 20), (48, 16), (37, 1)])
+def test_decoding_scores_chunks_by_their_running_maximum(pool, seq_len, prompt_len):
+    """``scorer_pool`` ``max`` / ``mean_max``: the decode cache's running maximum, started
+    from the prompt's open chunk (empty at 48 / 16), routes as the parallel form's pool."""
+    model = tiny_model(("nats", "nats"), rope=True, scorer_pool=pool)
+    ids = torch.randint(0, 50, (3, seq_len), generator=torch.Generator().manual_seed(seq_len))
+    full = model(ids)
+    routes = torch.cat([r.flatten() for r in full.routes if r is not None])
+    assert 0 < routes.mean() < 1  # both routes occur, so the pool decides something
+    assert rel_err(decode_logits(model, ids, prompt_len), full.logits) < 1e-12
+
+
 @pytest.mark.parametrize("gain", [None, 0.3])
 def test_decoding_divides_by_the_trained_softmax_scale(gain):
     """``branch_norm="scaled"``: decoding reads the running RMS a training step set (and

@@ -6,7 +6,13 @@ import torch.nn.functional as F
 
 from nats.kernels import hybrid_gated_delta_rule, hybrid_softmax_attention
 from nats.kernels.reference.norms import l2_norm, rms_norm
-from nats.layers.routing import chunk_mean_pool, forced_routes, sample_routes
+from nats.layers.routing import (
+    chunk_max_pool,
+    chunk_mean_pool,
+    chunk_pool,
+    forced_routes,
+    sample_routes,
+)
 
 from .models import rel_err, tiny_model
 
@@ -47,6 +53,21 @@ def test_layer_matches_its_definition_written_out(softmax_qkv):
     gate = F.silu(layer.out.gate(x)).view(2, 45, h * r, -1)
     expected = layer.out.out((merged * layer.out.gamma * gate).flatten(-2))
     assert rel_err(y, expected) < 1e-12
+
+
+@pytest.mark.parametrize("pool", ["max", "mean_max"])
+def test_routes_read_the_chunk_pool_written_out(pool):
+    """``scorer_pool``: the scorer reads each chunk's maximum per feature (after the mean
+    under ``mean_max``), over the partial last chunk's own tokens."""
+    layer = nats_layer(scorer_pool=pool)
+    x = torch.randn(2, 45, 32, dtype=torch.float64)
+    chunks = [x[:, i:i + 16] for i in range(0, 45, 16)]
+    pooled = torch.stack([torch.cat([c.mean(1), c.amax(1)], -1) if pool == "mean_max"
+                          else c.amax(1) for c in chunks], 1)
+    logits = layer.scorer.proj(pooled).view(2, 3, layer.cfg.n_heads, 2)
+    routes = layer(x)[1].routes
+    assert torch.equal(routes, F.one_hot(logits.argmax(-1), 2).double())
+    assert 0 < routes.mean() < 1
 
 
 @pytest.mark.parametrize("softmax_qkv", ["shared", "own"])
@@ -141,3 +162,13 @@ def test_model_is_causal_also_within_a_chunk(position):
 def test_chunk_mean_pool_partial_last_chunk():
     x = torch.arange(20, dtype=torch.float64).view(1, 20, 1)
     assert chunk_mean_pool(x, 16).flatten().tolist() == [7.5, 17.5]
+
+
+def test_chunk_pools_by_hand():
+    """Max per feature over each chunk, the partial last one over its tokens; ``mean_max``
+    puts the mean first."""
+    x = torch.tensor([[[1.0, -4.0], [3.0, -2.0], [-5.0, 7.0]]])  # [1, 3, 2], chunks of 2
+    assert chunk_max_pool(x, 2).tolist() == [[[3.0, -2.0], [-5.0, 7.0]]]
+    assert chunk_pool(x, 2, "mean_max").tolist() == [[[2.0, -3.0, 3.0, -2.0],
+                                                      [-5.0, 7.0, -5.0, 7.0]]]
+    assert torch.equal(chunk_pool(x, 2, "mean"), chunk_mean_pool(x, 2))
