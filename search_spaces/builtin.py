@@ -53,6 +53,9 @@ BUILTIN_SPACES: dict[str, dict[str, Any]] = {
             "softmax_gain_init": [None, 0.05],
             # Its own q/k/v let the routed model retrieve the needle on a GPU (docs/RESULTS.md).
             "softmax_qkv": ["shared", "own"],
+            # A maximum-pooled scorer keeps both chunks of a needle a boundary cuts more
+            # often (docs/RESULTS.md, "Needles a chunk boundary cuts").
+            "scorer_pool": ["mean", "max"],
             # Annealed over 30 % of the run, concentrated recall was learned on every seed
             # with a higher routing lift (docs/RESULTS.md, "Beyond the linear state").
             "budget_anneal": [0.0, 0.3],

@@ -15,6 +15,7 @@ A space is a mapping, checked on load (a bad key or value raises :class:`SpaceEr
       softmax_target: [0.125, 0.25, 0.5]  # NAtS-L layers' softmax budget (null: none)
       branch_norm: [both, linear, scaled]  # how NAtS-L layers scale their branch outputs
       softmax_qkv: [shared, own]       # the softmax branch's q/k/v: shared or its own
+      scorer_pool: [mean, max]         # what the scorer reads of a chunk: mean, max, mean_max
       softmax_gain_init: [null, 0.05]  # no learned softmax gain, or one started at 0.05
       budget_anneal: [0.0, 0.3]        # the budget's target falls from 1 over this share
       reg_lambda: {low: 0.001, high: 0.3, log: true}  # a range: float, or int if both are
@@ -39,6 +40,7 @@ from typing import Any
 from nats.config import (
     BRANCH_NORMS,
     LAYER_TYPES,
+    SCORER_POOLS,
     SOFTMAX_QKVS,
     ConfigError,
     canonical_layer_type,
@@ -54,7 +56,7 @@ class SpaceError(ValueError):
 
 MODEL_PARAMS = ("chunk_size", "n_layers", "d_model", "n_heads", "softmax_heads_per_head",
                 "linear_op", "reg_lambda", "softmax_target", "branch_norm", "softmax_gain_init",
-                "softmax_qkv")
+                "softmax_qkv", "scorer_pool")
 """``params`` keys that set a ``NatsConfig`` field."""
 TRAIN_PARAMS = ("lr", "weight_decay", "warmup_steps", "batch_size", "steps", "budget_anneal")
 """``params`` keys that set a ``TrainConfig`` field."""
@@ -71,7 +73,7 @@ NULLABLE_PARAMS = ("softmax_target", "softmax_gain_init")
 """Keys whose list of choices may hold ``null`` (the field's "none": no budget, only
 ``reg_lambda`` pricing softmax; no gain)."""
 ROUTING_PARAMS = ("chunk_size", "reg_lambda", "softmax_target", "branch_norm",
-                  "softmax_gain_init", "softmax_qkv", "budget_anneal")
+                  "softmax_gain_init", "softmax_qkv", "scorer_pool", "budget_anneal")
 """Keys that only NAtS-L layers read: a trial without one is not asked for them (Optuna
 would otherwise credit them with differences they cannot cause, and a trial differing
 only in them would train the same model again). ``budget_anneal`` is asked only under a
@@ -79,7 +81,8 @@ budget (``softmax_target`` not null), the only place the trainer reads it."""
 CHOICE_PARAMS = {"chunk_size": ("chunk sizes", CHUNK_SIZES),
                  "linear_op": ("operators", LINEAR_OP_SPECS.keys()),
                  "branch_norm": ("branch norms", BRANCH_NORMS),
-                 "softmax_qkv": ("softmax q/k/v sources", SOFTMAX_QKVS)}
+                 "softmax_qkv": ("softmax q/k/v sources", SOFTMAX_QKVS),
+                 "scorer_pool": ("scorer pools", SCORER_POOLS)}
 """Keys whose values come from a set: a list of them, never a range (the operators: those
 registered when the space is checked)."""
 

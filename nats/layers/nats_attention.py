@@ -290,7 +290,8 @@ class NatsAttention(nn.Module):
         cache.chunk_k.index_copy_(2, slot, ks.transpose(1, 2))
         cache.chunk_v.index_copy_(2, slot, vs.transpose(1, 2))
         cache.pool_sum.add_(upcast(x[:, 0]))
-        torch.maximum(cache.pool_max, upcast(x[:, 0]), out=cache.pool_max)
+        if cfg.scorer_pool != "mean":
+            torch.maximum(cache.pool_max, upcast(x[:, 0]), out=cache.pool_max)
         store_k, store_v = cache.store_k.flatten(3, 4), cache.store_v.flatten(3, 4)
         o_sm = hybrid_attention_decode(qs[:, 0], store_k, store_v, cache.store_chunks * c,
                                        cache.chunk_k, cache.chunk_v, slot + 1,
@@ -316,5 +317,6 @@ class NatsAttention(nn.Module):
         cache.snapshot.copy_(cache.state)
         cache.append_chunk(is_sm)
         cache.pool_sum.zero_()
-        cache.pool_max.fill_(-math.inf)
+        if self.cfg.scorer_pool != "mean":
+            cache.pool_max.fill_(-math.inf)
         cache.chunk_log_decay.zero_()

@@ -40,12 +40,13 @@ def test_per_layer_choices_follow_the_depth() -> None:
     space = load_space("full")
     params = {"n_layers": 3, "d_model": 128, "chunk_size": 64, "softmax_heads_per_head": 4,
               "linear_op": "deltanet", "branch_norm": "linear", "softmax_gain_init": 0.05,
-              "softmax_qkv": "own", "budget_anneal": 0.3, "reg_lambda": 0.01, "lr": 0.002,
-              "layer0": "softmax", "layer1": "nats", "layer2": "linear"}
+              "softmax_qkv": "own", "scorer_pool": "max", "budget_anneal": 0.3,
+              "reg_lambda": 0.01, "lr": 0.002, "layer0": "softmax", "layer1": "nats",
+              "layer2": "linear"}
     got = space.sample(FixedTrial(params), BASE)
     assert got.model.layer_types == ("softmax", "nats", "linear")
     assert got.model.linear_op == "deltanet" and got.model.branch_norm == "linear"
-    assert got.model.softmax_qkv == "own"
+    assert got.model.softmax_qkv == "own" and got.model.scorer_pool == "max"
     assert (got.model.n_layers, got.model.d_model, got.model.chunk_size) == (3, 128, 64)
     assert got.model.softmax_heads_per_head == 4 and got.lr == 0.002
     assert got.budget_anneal == 0.3
@@ -83,6 +84,7 @@ def test_linear_op_dimension_validates_and_samples_every_operator() -> None:
 @pytest.mark.parametrize(("key", "values", "bad", "allowed"), [
     ("branch_norm", ["both", "linear"], "rms", "'both'"),
     ("softmax_qkv", ["shared", "own"], "separate", "'shared', 'own'"),
+    ("scorer_pool", ["mean", "max"], "sum", "'mean', 'max', 'mean_max'"),
 ])
 def test_a_merge_setting_is_a_routing_choice(key: str, values: list[str], bad: str,
                                              allowed: str) -> None:
@@ -189,8 +191,8 @@ def test_routing_parameters_are_asked_only_of_models_that_route() -> None:
                                                             BASE.model.reg_lambda)
     routed = space.sample(FixedTrial({**params, "layer1": "nats", "chunk_size": 32,
                                       "branch_norm": "linear", "softmax_gain_init": None,
-                                      "softmax_qkv": "own", "budget_anneal": 0.0,
-                                      "reg_lambda": 0.05}), BASE)
+                                      "softmax_qkv": "own", "scorer_pool": "max",
+                                      "budget_anneal": 0.0, "reg_lambda": 0.05}), BASE)
     assert (routed.model.chunk_size, routed.model.reg_lambda) == (32, 0.05)
     assert routed.model.branch_norm == "linear" and routed.model.softmax_qkv == "own"
     assert got.model.branch_norm == BASE.model.branch_norm == "scaled"

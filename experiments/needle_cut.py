@@ -1,0 +1,104 @@
+"""Which needles does a routed model miss: those a chunk boundary cuts, and why?
+
+    python experiments/needle_cut.py RUN [RUN ...] [--rows 512] [--out cut.json]
+
+Each RUN is a needle run folder (``needle.py``'s ``OUT/runs/TAG``, or any ``nats train
+--task needle`` run). On its training length, text haystack, no distractor, ``--rows``
+test rows (the test stream of ``needle.py``), it prints whole answers for needles inside
+one chunk and for needles cut by a boundary, the cut ones by how many of the needle's
+tokens fall in its first chunk, and per routing head of the first NAtS-L layer how the
+two chunks of a cut needle were routed (``SM+LA``: the first to softmax, the second to
+linear) with the whole answers of each pattern. A cut needle whose second chunk is a
+row's last (which has no route) is left out of the patterns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common
+import torch
+
+from nats.kernels import SOFTMAX
+from nats.trainers import build_batches
+from nats.trainers.sources import load_model
+
+
+def _ratio(counts: list[int]) -> str:
+    return f"{counts[0] / max(counts[1], 1):.3f} ({counts[0]}/{counts[1]})"
+
+
+@torch.no_grad()
+def analyse(run: str, rows: int) -> dict:
+    loaded = load_model(run)
+    model, config = loaded.model.eval(), loaded.train_config
+    if config.task != "needle":
+        raise SystemExit(f"needle_cut: {run} was trained on {config.task!r}, not the needle")
+    config = config.replace(needle_distractors=0, needle_haystack="text",
+                            eval_seed=common.TEST_EVAL_SEED)
+    task, c = config.synthetic_task(), model.config.chunk_size
+    first_nats = next((i for i, t in enumerate(model.config.layer_types) if t == "nats"), None)
+    inside, cut = [0, 0], [0, 0]
+    by_tokens: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    patterns: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+    for ids, labels in build_batches(config).eval(-(-rows // config.batch_size)):
+        out = model(ids)
+        answers = out.logits[:, :-1].argmax(-1)[:, -task.VALUE_DIGITS:]
+        solved = (answers == labels[:, -task.VALUE_DIGITS:]).all(1).tolist()
+        marked = task.relevant_positions(ids, labels)
+        start = marked.int().argmax(1).tolist()
+        end = (marked.shape[1] - 1 - marked.flip(1).int().argmax(1)).tolist()
+        for b, ok in enumerate(solved):
+            c0, c1 = start[b] // c, end[b] // c
+            group = inside if c0 == c1 else cut
+            group[0] += ok
+            group[1] += 1
+            if c0 == c1:
+                continue
+            by_tokens[c - start[b] % c][0] += ok
+            by_tokens[c - start[b] % c][1] += 1
+            routes = out.routes[first_nats] if first_nats is not None else None
+            if routes is None or c1 >= routes.shape[1] - 1:
+                continue
+            sm = (routes[b, :, :, SOFTMAX] > 0.5).tolist()
+            for h in range(routes.shape[2]):
+                key = "+".join("SM" if sm[i][h] else "LA" for i in (c0, c1))
+                patterns[f"head{h}"][key][0] += ok
+                patterns[f"head{h}"][key][1] += 1
+    return {"run": run, "chunk_size": c, "seq_len": config.seq_len, "inside": inside,
+            "cut": cut, "cut_by_tokens_in_first_chunk": dict(sorted(by_tokens.items())),
+            "first_nats_layer": first_nats,
+            "cut_routes": {h: dict(sorted(p.items())) for h, p in sorted(patterns.items())}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", help="needle run folders")
+    parser.add_argument("--rows", type=int, default=512,
+                        help="test rows (rounded up to whole batches)")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    args = parser.parse_args()
+    if args.rows < 1:
+        parser.error(f"--rows must be a positive integer, got {args.rows}")
+    results = []
+    for run in args.runs:
+        r = analyse(run, args.rows)
+        results.append(r)
+        print(f"{run}: inside one chunk {_ratio(r['inside'])}, cut {_ratio(r['cut'])}")
+        print("  cut, by the needle's tokens in its first chunk: " + ", ".join(
+            f"{k}: {_ratio(v)}" for k, v in r["cut_by_tokens_in_first_chunk"].items()))
+        for head, p in r["cut_routes"].items():
+            print(f"  layer {r['first_nats_layer']} {head}, routes of the two chunks: "
+                  + ", ".join(f"{k} {_ratio(v)}" for k, v in p.items()))
+    if args.out is not None:
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
