@@ -1,6 +1,7 @@
 """Which needles does a routed model miss: those a chunk boundary cuts, and why?
 
     python experiments/needle_cut.py RUN [RUN ...] [--rows 512] [--out cut.json]
+    python experiments/needle_cut.py RUN --calibrate-budget 0.4   # routes more chunks
 
 Each RUN is a needle run folder (``needle.py``'s ``OUT/runs/TAG``, or any ``nats train
 --task needle`` run). On its training length, text haystack, no distractor, ``--rows``
@@ -9,7 +10,10 @@ one chunk and for needles cut by a boundary, the cut ones by how many of the nee
 tokens fall in its first chunk, and per routing head of the first NAtS-L layer how the
 two chunks of a cut needle were routed (``SM+LA``: the first to softmax, the second to
 linear) with the whole answers of each pattern. A cut needle whose second chunk is a
-row's last (which has no route) is left out of the patterns.
+row's last (which has no route) is left out of the patterns. ``--calibrate-budget F``
+first sets each budgeted layer's routing bias so that it routes F of the chunks of 8
+calibration batches of the same slice (as ``nats eval --calibrate-budget``): does a router
+given more share keep both parts of a cut needle?
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 
 from nats.kernels import SOFTMAX
 from nats.trainers import build_batches
+from nats.trainers.route_control import calibrate_budget
 from nats.trainers.sources import load_model
 
 
@@ -35,7 +40,7 @@ def _ratio(counts: list[int]) -> str:
 
 
 @torch.no_grad()
-def analyse(run: str, rows: int) -> dict:
+def analyse(run: str, rows: int, budget: float | None = None) -> dict:
     loaded = load_model(run)
     model, config = loaded.model.eval(), loaded.train_config
     if config.task != "needle":
@@ -43,6 +48,8 @@ def analyse(run: str, rows: int) -> dict:
     config = config.replace(needle_distractors=0, needle_haystack="text",
                             eval_seed=common.TEST_EVAL_SEED)
     task, c = config.synthetic_task(), model.config.chunk_size
+    if budget is not None:
+        calibrate_budget(model, [ids for ids, _ in build_batches(config).calibration(8)], budget)
     first_nats = next((i for i, t in enumerate(model.config.layer_types) if t == "nats"), None)
     inside, cut = [0, 0], [0, 0]
     by_tokens: dict[int, list[int]] = defaultdict(lambda: [0, 0])
@@ -71,8 +78,9 @@ def analyse(run: str, rows: int) -> dict:
                 key = "+".join("SM" if sm[i][h] else "LA" for i in (c0, c1))
                 patterns[f"head{h}"][key][0] += ok
                 patterns[f"head{h}"][key][1] += 1
-    return {"run": run, "chunk_size": c, "seq_len": config.seq_len, "inside": inside,
-            "cut": cut, "cut_by_tokens_in_first_chunk": dict(sorted(by_tokens.items())),
+    return {"run": run, "calibrated_budget": budget, "chunk_size": c,
+            "seq_len": config.seq_len, "inside": inside, "cut": cut,
+            "cut_by_tokens_in_first_chunk": dict(sorted(by_tokens.items())),
             "first_nats_layer": first_nats,
             "cut_routes": {h: dict(sorted(p.items())) for h, p in sorted(patterns.items())}}
 
@@ -82,13 +90,17 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", help="needle run folders")
     parser.add_argument("--rows", type=int, default=512,
                         help="test rows (rounded up to whole batches)")
+    parser.add_argument("--calibrate-budget", type=float, default=None, metavar="F",
+                        help="route F of the chunks in every budgeted layer, in (0, 1)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args()
     if args.rows < 1:
         parser.error(f"--rows must be a positive integer, got {args.rows}")
+    if args.calibrate_budget is not None and not 0 < args.calibrate_budget < 1:
+        parser.error(f"--calibrate-budget must be in (0, 1), got {args.calibrate_budget}")
     results = []
     for run in args.runs:
-        r = analyse(run, args.rows)
+        r = analyse(run, args.rows, args.calibrate_budget)
         results.append(r)
         print(f"{run}: inside one chunk {_ratio(r['inside'])}, cut {_ratio(r['cut'])}")
         print("  cut, by the needle's tokens in its first chunk: " + ", ".join(
