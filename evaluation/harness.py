@@ -192,7 +192,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             lines.append("    per head, informative / filler to softmax: " + ", ".join(
                 f"{name.replace('/', ' ')} {v:.2f} / {routing[f'route_filler/{name}']:.2f}"
                 for name, v in heads))
-        if "by_position" in s:  # where the needle sat in the rows missed
+        if "by_position" in s:  # whole answers by where the needle sat
             lines.append("    whole answers by the needle's depth (% of the row) and chunks: "
                          + ", ".join(f"{k.removeprefix('depth_').replace('_', ' ')} {v:.3f}"
                                      for k, v in s["by_position"].items()))

@@ -30,7 +30,8 @@ import common
 import torch
 
 from nats.kernels import SOFTMAX
-from nats.trainers import build_batches
+from nats.trainers import build_batches, resolve_device
+from nats.trainers.loop import autocast_for
 from nats.trainers.route_control import calibrate_budget
 from nats.trainers.sources import load_model
 
@@ -40,8 +41,8 @@ def _ratio(counts: list[int]) -> str:
 
 
 @torch.no_grad()
-def analyse(run: str, rows: int, budget: float | None = None) -> dict:
-    loaded = load_model(run)
+def analyse(run: str, rows: int, budget: float | None, device: torch.device) -> dict:
+    loaded = load_model(run, device)
     model, config = loaded.model.eval(), loaded.train_config
     if config.task != "needle":
         raise SystemExit(f"needle_cut: {run} was trained on {config.task!r}, not the needle")
@@ -49,13 +50,17 @@ def analyse(run: str, rows: int, budget: float | None = None) -> dict:
                             eval_seed=common.TEST_EVAL_SEED)
     task, c = config.synthetic_task(), model.config.chunk_size
     if budget is not None:
-        calibrate_budget(model, [ids for ids, _ in build_batches(config).calibration(8)], budget)
+        calibrate_budget(model, [ids.to(device) for ids, _ in
+                                 build_batches(config).calibration(8)], budget)
     first_nats = next((i for i, t in enumerate(model.config.layer_types) if t == "nats"), None)
     inside, cut = [0, 0], [0, 0]
     by_tokens: dict[int, list[int]] = defaultdict(lambda: [0, 0])
     patterns: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+    autocast = autocast_for(config.precision, device)
     for ids, labels in build_batches(config).eval(-(-rows // config.batch_size)):
-        out = model(ids)
+        ids, labels = ids.to(device), labels.to(device)
+        with autocast:
+            out = model(ids)
         answers = out.logits[:, :-1].argmax(-1)[:, -task.VALUE_DIGITS:]
         solved = (answers == labels[:, -task.VALUE_DIGITS:]).all(1).tolist()
         marked = task.relevant_positions(ids, labels)
@@ -92,15 +97,17 @@ def main() -> None:
                         help="test rows (rounded up to whole batches)")
     parser.add_argument("--calibrate-budget", type=float, default=None, metavar="F",
                         help="route F of the chunks in every budgeted layer, in (0, 1)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args()
     if args.rows < 1:
         parser.error(f"--rows must be a positive integer, got {args.rows}")
     if args.calibrate_budget is not None and not 0 < args.calibrate_budget < 1:
         parser.error(f"--calibrate-budget must be in (0, 1), got {args.calibrate_budget}")
+    device = resolve_device(args.device)
     results = []
     for run in args.runs:
-        r = analyse(run, args.rows, args.calibrate_budget)
+        r = analyse(run, args.rows, args.calibrate_budget, device)
         results.append(r)
         print(f"{run}: inside one chunk {_ratio(r['inside'])}, cut {_ratio(r['cut'])}")
         print("  cut, by the needle's tokens in its first chunk: " + ", ".join(

@@ -77,7 +77,8 @@ class NatsLayerCache(_Buffers):
     order (the first ``store_chunks[b, h]`` chunks are real); ``chunk_k/v``
     ``[B, H*r, C, D]`` the unfinished chunk, of which the first ``open_len`` tokens are
     real; ``pool_sum`` and ``pool_max`` ``[B, D_model]`` the scorer's running sum and
-    maximum over it (``-inf`` while it is empty) and
+    maximum over it (``-inf`` while it is empty; the maximum is kept only under a max
+    pool, ``NatsConfig.scorer_pool``) and
     ``chunk_log_decay`` ``[B, H]`` its summed log decay (zeros for operators without a
     decay gate). ``state`` and ``snapshot`` are the linear operator's, two buffers
     (``Dv + 1`` columns for linear attention: the normaliser restores with it).

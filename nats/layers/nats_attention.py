@@ -233,11 +233,10 @@ class NatsAttention(nn.Module):
         tail = x[:, done:].transpose(1, 2)
         return F.pad(tail, (0, 0, 0, self.cfg.chunk_size - tail.shape[2]))
 
-    @staticmethod
-    def _open_max(x: torch.Tensor, done: int) -> torch.Tensor:
+    def _open_max(self, x: torch.Tensor, done: int) -> torch.Tensor:
         """The scorer's running maximum over the unfinished chunk ``x[:, done:]`` (``-inf``
-        while it is empty)."""
-        if done == x.shape[1]:
+        while it is empty, and always under the mean pool, which never reads it)."""
+        if done == x.shape[1] or self.cfg.scorer_pool == "mean":
             return upcast(x[:, 0]).new_full((x.shape[0], x.shape[2]), -math.inf)
         return upcast(x[:, done:]).amax(1)
 

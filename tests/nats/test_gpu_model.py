@@ -153,15 +153,18 @@ def test_triton_prefill_then_decode_equals_parallel_forward(linear_op):
         assert rel_err(decode_logits(model, ids, 200), full) < 5e-3
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_graphed_decode_equals_eager_decode(dtype):
+@pytest.mark.parametrize(("dtype", "pool"), [(torch.float32, "mean"), (torch.bfloat16, "mean"),
+                                           (torch.bfloat16, "max")])
+def test_graphed_decode_equals_eager_decode(dtype, pool):
     """CUDA-graph replays of the decode step give the eager steps' logits, across chunk
-    ends, a growing softmax store (recaptures) and a growing plain KV cache."""
+    ends, a growing softmax store (recaptures) and a growing plain KV cache; under
+    ``scorer_pool="max"`` the replayed step keeps the running maximum chunks are scored by."""
     from nats.cuda_graph import GraphedDecoder
 
     cfg = NatsConfig(vocab_size=512, d_model=256, n_layers=3, n_heads=4, softmax_heads_per_head=2,
                      head_dim_k=64, head_dim_v=64, chunk_size=16,
-                     layer_types=("nats", "linear", "softmax"), backend="triton", rope=True)
+                     layer_types=("nats", "linear", "softmax"), backend="triton", rope=True,
+                     scorer_pool=pool)
     torch.manual_seed(0)
     model = NatsForCausalLM(cfg).cuda().to(dtype).eval()
     with torch.no_grad():

@@ -10,6 +10,7 @@ import torch
 from nats import NatsConfig, NatsForCausalLM
 from nats.model import IGNORE_INDEX
 from nats.trainers import evaluate
+from nats.trainers.evaluation import SpanPosition
 from nats.trainers.synthetic import MQARTask, NeedleTask
 
 
@@ -126,7 +127,16 @@ def test_needle_accuracy_by_position_matches_a_row_by_row_recount() -> None:
            if k.startswith("eval/seq_acc/")}
     assert got == pytest.approx({k: sum(v) / len(v) for k, v in want.items()})
     assert 0 < metrics["eval/seq_acc"] < 1 and len(want) >= 6
+    by_hand = SpanPosition()  # rows of 90 tokens, chunks of 16, spans of 10
+    marked = torch.zeros(3, 90, dtype=torch.bool)
+    for row, start in enumerate((17, 10, 72)):
+        marked[row, start:start + 10] = True
+    by_hand.add(marked, torch.tensor([True, False, True]), 16)
+    assert by_hand.metrics() == {"eval/seq_acc/depth_0-20": 0.5, "eval/seq_acc/depth_80-100": 1.0,
+                                 "eval/seq_acc/in_one_chunk": 1.0,
+                                 "eval/seq_acc/across_chunks": 0.5}
     mqar = MQARTask(vocab_size=64, seq_len=32, pairs=4)
     plain = evaluate(model, [mqar.sample(4, generator)], torch.device("cpu"),
-                     relevant=MQARTask.relevant_positions).metrics
+                     relevant=MQARTask.relevant_positions,
+                     by_position=getattr(mqar, "ONE_SPAN", False)).metrics
     assert not any(k.startswith("eval/seq_acc/") for k in plain)
