@@ -31,6 +31,7 @@ import torch
 
 from nats.kernels import SOFTMAX
 from nats.trainers import build_batches, resolve_device
+from nats.trainers.evaluation import span_bounds
 from nats.trainers.loop import autocast_for
 from nats.trainers.route_control import calibrate_budget
 from nats.trainers.sources import load_model
@@ -64,8 +65,7 @@ def analyse(run: str, rows: int, budget: float | None, device: torch.device) -> 
         answers = out.logits[:, :-1].argmax(-1)[:, -task.VALUE_DIGITS:]
         solved = (answers == labels[:, -task.VALUE_DIGITS:]).all(1).tolist()
         marked = task.relevant_positions(ids, labels)
-        start = marked.int().argmax(1).tolist()
-        end = (marked.shape[1] - 1 - marked.flip(1).int().argmax(1)).tolist()
+        start, end = (bound.tolist() for bound in span_bounds(marked))
         for b, ok in enumerate(solved):
             c0, c1 = start[b] // c, end[b] // c
             group = inside if c0 == c1 else cut

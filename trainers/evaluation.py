@@ -168,6 +168,13 @@ class RoutingPrecision:
         return out
 
 
+def span_bounds(relevant: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """First and last relevant position of every row of ``relevant`` bool ``[B, T]`` (0
+    and ``T - 1`` for a row with none)."""
+    first = relevant.int().argmax(1)
+    return first, relevant.shape[1] - 1 - relevant.flip(1).int().argmax(1)
+
+
 class SpanPosition:
     """Share of rows answered whole by where their one informative span sits: the fifth of
     the row its first token falls in, and whether it lies in one chunk or crosses a chunk
@@ -187,8 +194,7 @@ class SpanPosition:
         relevant, solved = relevant.cpu(), solved.cpu()
         t = relevant.shape[1]
         has = relevant.any(1)
-        first = relevant.int().argmax(1)
-        last = t - 1 - relevant.flip(1).int().argmax(1)
+        first, last = span_bounds(relevant)
         depth = torch.clamp(first * self.BINS // t, max=self.BINS - 1)
         across = first // chunk_size != last // chunk_size
         chunks = torch.where(across, self.BINS + 1, self.BINS)

@@ -27,22 +27,24 @@ RouteOverride = str | float | torch.Tensor | None
 OVERRIDE_NAMES = ("softmax", "linear")
 
 
-def chunk_mean_pool(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """Mean of ``x`` ``[B, T, D]`` over each chunk (a partial last chunk over its tokens)."""
+def _chunked(x: torch.Tensor, chunk_size: int, fill: float) -> torch.Tensor:
+    """``x`` ``[B, T, D]`` as ``[B, N, C, D]``, the last chunk padded with ``fill``."""
     batch, seq_len, dim = x.shape
     n = num_chunks(seq_len, chunk_size)
-    padded = F.pad(x, (0, 0, 0, n * chunk_size - seq_len)).view(batch, n, chunk_size, dim)
-    counts = chunk_token_counts(seq_len, chunk_size, x.device).to(x.dtype)
-    return padded.sum(2) / counts[None, :, None]
+    return F.pad(x, (0, 0, 0, n * chunk_size - seq_len), value=fill).view(batch, n,
+                                                                          chunk_size, dim)
+
+
+def chunk_mean_pool(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Mean of ``x`` ``[B, T, D]`` over each chunk (a partial last chunk over its tokens)."""
+    counts = chunk_token_counts(x.shape[1], chunk_size, x.device).to(x.dtype)
+    return _chunked(x, chunk_size, 0.0).sum(2) / counts[None, :, None]
 
 
 def chunk_max_pool(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """Maximum of ``x`` ``[B, T, D]`` per feature over each chunk (a partial last chunk
     over its tokens)."""
-    batch, seq_len, dim = x.shape
-    n = num_chunks(seq_len, chunk_size)
-    padded = F.pad(x, (0, 0, 0, n * chunk_size - seq_len), value=-math.inf)
-    return padded.view(batch, n, chunk_size, dim).amax(2)
+    return _chunked(x, chunk_size, -math.inf).amax(2)
 
 
 def scorer_input(mean: torch.Tensor | None, peak: torch.Tensor | None,
