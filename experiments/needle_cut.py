@@ -107,7 +107,10 @@ def main() -> None:
     device = resolve_device(args.device)
     results = []
     for run in args.runs:
-        r = analyse(run, args.rows, args.calibrate_budget, device)
+        try:
+            r = analyse(run, args.rows, args.calibrate_budget, device)
+        except (ValueError, OSError) as error:  # not a run, or a model that cannot calibrate
+            raise SystemExit(f"needle_cut: {run}: {error}") from None
         results.append(r)
         print(f"{run}: inside one chunk {_ratio(r['inside'])}, cut {_ratio(r['cut'])}")
         print("  cut, by the needle's tokens in its first chunk: " + ", ".join(
