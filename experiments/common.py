@@ -56,6 +56,14 @@ does without its router); ``layer-hybrid:4``, softmax in every 4th layer instead
 2nd (a quarter of the layers: the layer hybrid at NAtS-L's default budget)."""
 
 
+def recall_model(scale: dict[str, Any]) -> NatsConfig:
+    """The 2-layer model of the recall experiments (``mqar.py``, ``recall.py``) at a scale."""
+    return NatsConfig(vocab_size=scale["vocab"], d_model=scale["d_model"], n_layers=2,
+                      n_heads=2, softmax_heads_per_head=2, head_dim_k=scale["head_dim"],
+                      head_dim_v=scale["head_dim"], chunk_size=scale["chunk"],
+                      layer_types=("nats", "nats"), rope=True)
+
+
 def parse_args(description: str, scales: dict[str, dict[str, Any]],
                ) -> tuple[argparse.Namespace, dict[str, Any]]:
     """The command line, and the chosen scale's settings (its ``minutes`` is the default

@@ -17,7 +17,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
 
-from nats import NatsConfig
 from nats.trainers import TrainConfig
 
 SCALES = {
@@ -44,10 +43,7 @@ SCALES = {
 
 def main() -> None:
     args, s = common.parse_args(__doc__.splitlines()[0], SCALES)
-    model = NatsConfig(vocab_size=s["vocab"], d_model=s["d_model"], n_layers=2, n_heads=2,
-                       softmax_heads_per_head=2, head_dim_k=s["head_dim"],
-                       head_dim_v=s["head_dim"], chunk_size=s["chunk"],
-                       layer_types=("nats", "nats"), rope=True)
+    model = common.recall_model(s)
     seq_len, pairs = s["train"]
     base = TrainConfig(model=model, task="mqar", steps=s["steps"], batch_size=s["batch"],
                        seq_len=seq_len, mqar_pairs=pairs, mqar_pairs_mix=s.get("mix", ()),

@@ -8,9 +8,10 @@ Each RUN is a needle run folder (``needle.py``'s ``OUT/runs/TAG``, or any ``nats
 test rows (the test stream of ``needle.py``), it prints whole answers for needles inside
 one chunk and for needles cut by a boundary, the cut ones by how many of the needle's
 tokens fall in its first chunk, and per routing head of the first NAtS-L layer how the
-two chunks of a cut needle were routed (``SM+LA``: the first to softmax, the second to
-linear) with the whole answers of each pattern. A cut needle whose second chunk is a
-row's last (which has no route) is left out of the patterns. ``--calibrate-budget F``
+needle's chunk was routed (``SM`` or ``LA``) and how the two chunks of a cut needle were
+(``SM+LA``: the first to softmax, the second to linear), with the whole answers of each
+pattern: are the misses the router's? A needle whose (last) chunk is a row's last, which
+has no route, is left out of the patterns. ``--calibrate-budget F``
 first sets each budgeted layer's routing bias so that it routes F of the chunks of 8
 calibration batches of the same slice (as ``nats eval --calibrate-budget``): does a router
 given more share keep both parts of a cut needle?
@@ -56,7 +57,8 @@ def analyse(run: str, rows: int, budget: float | None, device: torch.device) -> 
     first_nats = next((i for i, t in enumerate(model.config.layer_types) if t == "nats"), None)
     inside, cut = [0, 0], [0, 0]
     by_tokens: dict[int, list[int]] = defaultdict(lambda: [0, 0])
-    patterns: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+    patterns = {group: defaultdict(lambda: defaultdict(lambda: [0, 0]))
+                for group in ("inside", "cut")}
     autocast = autocast_for(config.precision, device)
     for ids, labels in build_batches(config).eval(-(-rows // config.batch_size)):
         ids, labels = ids.to(device), labels.to(device)
@@ -68,26 +70,27 @@ def analyse(run: str, rows: int, budget: float | None, device: torch.device) -> 
         start, end = (bound.tolist() for bound in span_bounds(marked))
         for b, ok in enumerate(solved):
             c0, c1 = start[b] // c, end[b] // c
-            group = inside if c0 == c1 else cut
-            group[0] += ok
-            group[1] += 1
-            if c0 == c1:
-                continue
-            by_tokens[c - start[b] % c][0] += ok
-            by_tokens[c - start[b] % c][1] += 1
+            group = "inside" if c0 == c1 else "cut"
+            counts = inside if c0 == c1 else cut
+            counts[0] += ok
+            counts[1] += 1
+            if c0 != c1:
+                by_tokens[c - start[b] % c][0] += ok
+                by_tokens[c - start[b] % c][1] += 1
             routes = out.routes[first_nats] if first_nats is not None else None
             if routes is None or c1 >= routes.shape[1] - 1:
                 continue
             sm = (routes[b, :, :, SOFTMAX] > 0.5).tolist()
             for h in range(routes.shape[2]):
-                key = "+".join("SM" if sm[i][h] else "LA" for i in (c0, c1))
-                patterns[f"head{h}"][key][0] += ok
-                patterns[f"head{h}"][key][1] += 1
+                key = "+".join("SM" if sm[i][h] else "LA" for i in sorted({c0, c1}))
+                patterns[group][f"head{h}"][key][0] += ok
+                patterns[group][f"head{h}"][key][1] += 1
     return {"run": run, "calibrated_budget": budget, "chunk_size": c,
             "seq_len": config.seq_len, "inside": inside, "cut": cut,
             "cut_by_tokens_in_first_chunk": dict(sorted(by_tokens.items())),
             "first_nats_layer": first_nats,
-            "cut_routes": {h: dict(sorted(p.items())) for h, p in sorted(patterns.items())}}
+            **{f"{group}_routes": {h: dict(sorted(p.items())) for h, p in sorted(heads.items())}
+               for group, heads in patterns.items()}}
 
 
 def main() -> None:
@@ -115,9 +118,10 @@ def main() -> None:
         print(f"{run}: inside one chunk {_ratio(r['inside'])}, cut {_ratio(r['cut'])}")
         print("  cut, by the needle's tokens in its first chunk: " + ", ".join(
             f"{k}: {_ratio(v)}" for k, v in r["cut_by_tokens_in_first_chunk"].items()))
-        for head, p in r["cut_routes"].items():
-            print(f"  layer {r['first_nats_layer']} {head}, routes of the two chunks: "
-                  + ", ".join(f"{k} {_ratio(v)}" for k, v in p.items()))
+        for group, what in (("inside", "the needle's chunk"), ("cut", "the two chunks")):
+            for head, p in r[f"{group}_routes"].items():
+                print(f"  layer {r['first_nats_layer']} {head}, routes of {what}: "
+                      + ", ".join(f"{k} {_ratio(v)}" for k, v in p.items()))
     if args.out is not None:
         args.out.write_text(json.dumps(results, indent=1) + "\n")
 

@@ -14,7 +14,8 @@ trained as
 * ``random``: routes drawn at random, 25 % softmax, content-blind, in training and in the
   evaluation (what routing costs the model when nothing is learned about it).
 
-``--softmax-qkv own`` gives the softmax branch q/k/v of its own in every mode. Prints one
+``--softmax-qkv own`` gives the softmax branch q/k/v of its own in every mode,
+``--scorer-pool max`` the scorer a maximum over each chunk instead of its mean. Prints one
 markdown row per mode: accuracy per seed on 8 held-out batches, mean +- std,
 and the share of the pairs' chunk and of other chunks sent to softmax.
 """
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 import nats.layers.nats_attention as nats_attention
 import nats.trainers.loop as loop
 from nats import NatsConfig, NatsForCausalLM
-from nats.config import SOFTMAX_QKVS
+from nats.config import SCORER_POOLS, SOFTMAX_QKVS
 from nats.trainers import TrainConfig, train
 
 MODES = ("detached", "attached", "linear", "random")
@@ -47,12 +48,12 @@ def random_routes(share: float):
 
 
 def run(mode: str, seed: int, softmax_qkv: str = "shared", rope: bool = True,
-        steps: int = 600) -> dict[str, float]:
+        steps: int = 600, scorer_pool: str = "mean") -> dict[str, float]:
     model = NatsConfig(vocab_size=32, d_model=64, n_layers=2, n_heads=2,
                        softmax_heads_per_head=2, head_dim_k=32, head_dim_v=32, chunk_size=16,
                        layer_types=("nats", "nats"), rope=rope,
                        scorer_detach=mode != "attached",
-                       softmax_qkv=softmax_qkv)
+                       softmax_qkv=softmax_qkv, scorer_pool=scorer_pool)
     forced = {"linear": "linear", "random": "random"}.get(mode)
     original_routes, original_set = nats_attention.forced_routes, loop.set_exploration
     if mode == "random":
@@ -79,6 +80,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--softmax-qkv", choices=SOFTMAX_QKVS, default="shared")
+    parser.add_argument("--scorer-pool", choices=SCORER_POOLS, default="mean")
     parser.add_argument("--no-rope", action="store_true",
                         help="no rotary embedding on the softmax heads (the CI routing "
                         "test has one)")
@@ -90,7 +92,7 @@ def main() -> None:
           + " | mean +- std | pairs' chunk / others to softmax |")
     print("|---" * (len(args.seeds) + 3) + "|")
     for mode in args.modes:
-        got = [run(mode, seed, args.softmax_qkv, not args.no_rope, args.steps)
+        got = [run(mode, seed, args.softmax_qkv, not args.no_rope, args.steps, args.scorer_pool)
                for seed in args.seeds]
         for seed, m in zip(args.seeds, got, strict=True):
             print(json.dumps({"mode": mode, "seed": seed, **m}), flush=True)

@@ -1,0 +1,112 @@
+"""``experiments/needle_cut.py``: its split of needles (inside one chunk or cut by a
+boundary, by the cut needle's tokens in its first chunk, by how the first NAtS-L layer's
+heads routed the needle's chunks) against a plain recount of the same rows."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from nats.kernels import SOFTMAX
+from nats.trainers import build_batches, train
+from nats.trainers.sources import LoadedModel, load_model
+
+# The script's folder, as the scripts put it on the path themselves.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
+import common
+import needle
+import needle_cut
+
+ROWS = 48
+
+
+class _AnswersEvenRows(torch.nn.Module):
+    """The run's model, with its logits set to the right answer on even rows (the answer is
+    the row's last 7 tokens), so whole answers differ between rows and every count of
+    them is tested, not only zeros."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model, self.config = model, model.config
+
+    def forward(self, ids: torch.Tensor):
+        out = self.model(ids)
+        logits = out.logits.clone()
+        right = torch.nn.functional.one_hot(ids[::2, -7:], logits.shape[-1]).to(logits.dtype)
+        logits[::2, -8:-1] = 1e4 * right
+        return dataclasses.replace(out, logits=logits)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("needle_cut") / "run"
+    config = needle.base_config(needle.SCALES["cpu"]).replace(
+        steps=2, batch_size=16, warmup_steps=1, eval_interval=2, eval_batches=1,
+        checkpoint_interval=2, device="cpu", out_dir=str(out))
+    train(config)
+    return out
+
+
+def _needle_start(row: list[int], width: int) -> int:
+    """Where the question (the row's last ``width`` tokens) first occurs in the row."""
+    question = row[-width:]
+    return next(i for i in range(len(row) - width) if row[i:i + width] == question)
+
+
+def _recount(run: Path, rows: int) -> dict:
+    loaded = load_model(run)
+    model = _AnswersEvenRows(loaded.model.eval())
+    config = loaded.train_config.replace(needle_distractors=0, needle_haystack="text",
+                                         eval_seed=common.TEST_EVAL_SEED)
+    c, width = model.config.chunk_size, config.synthetic_task().key_len + 7
+    want = {"inside": [0, 0], "cut": [0, 0]}
+    tokens: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    routes = {g: defaultdict(lambda: defaultdict(lambda: [0, 0])) for g in ("inside", "cut")}
+    with torch.no_grad():
+        for ids, _ in build_batches(config).eval(-(-rows // config.batch_size)):
+            out = model(ids)
+            for b, row in enumerate(ids.tolist()):
+                ok = int(out.logits[b, -8:-1].argmax(-1).tolist() == row[-7:])
+                first = _needle_start(row, width)
+                chunks = sorted({first // c, (first + width - 1) // c})
+                group = "inside" if len(chunks) == 1 else "cut"
+                want[group][0] += ok
+                want[group][1] += 1
+                if group == "cut":
+                    tokens[c - first % c][0] += ok
+                    tokens[c - first % c][1] += 1
+                n_routed = out.routes[0].shape[1] - 1  # the row's last chunk has no route
+                if chunks[-1] >= n_routed:
+                    continue
+                for h in range(out.routes[0].shape[2]):
+                    key = "+".join("SM" if out.routes[0][b, i, h, SOFTMAX] > 0.5 else "LA"
+                                   for i in chunks)
+                    routes[group][f"head{h}"][key][0] += ok
+                    routes[group][f"head{h}"][key][1] += 1
+    want["cut_by_tokens_in_first_chunk"] = dict(tokens)
+    for group, heads in routes.items():
+        want[f"{group}_routes"] = {h: dict(p) for h, p in heads.items()}
+    return want
+
+
+def test_the_split_of_needles_matches_a_plain_recount(run: Path, monkeypatch) -> None:
+    real_load = needle_cut.load_model
+
+    def load_answering(source, device) -> LoadedModel:
+        loaded = real_load(source, device)
+        return dataclasses.replace(loaded, model=_AnswersEvenRows(loaded.model))
+
+    monkeypatch.setattr(needle_cut, "load_model", load_answering)
+    got = needle_cut.analyse(str(run), ROWS, None, torch.device("cpu"))
+    want = _recount(run, ROWS)
+    # The rows hold both kinds of needle and both outcomes, so no count is vacuous.
+    assert want["inside"][1] > 0 and want["cut"][1] > 0
+    assert 0 < want["inside"][0] + want["cut"][0] < ROWS
+    for key, value in want.items():
+        assert got[key] == value, key
+    assert got["first_nats_layer"] == 0 and got["chunk_size"] == 16
