@@ -72,7 +72,7 @@ def _add_config_options(group: Any, cls: type, skip: Sequence[str] = ()) -> list
         doc = " ".join(doc.split())
         doc = doc.split(". ")[0].rstrip(".").replace("%", "%%")
         flag = "--" + f.name.replace("_", "-")
-        if annotation == "bool":
+        if annotation in ("bool", "bool|None"):  # not given: the preset's (or the default)
             group.add_argument(flag, action=argparse.BooleanOptionalAction, help=doc)
         elif annotation.startswith("tuple["):
             kind = kinds[annotation[len("tuple["):].split(",")[0]]

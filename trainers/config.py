@@ -82,10 +82,12 @@ class TrainConfig:
     """``auto`` (bf16 autocast on GPUs that have it, else fp32), ``bf16`` or ``fp32``."""
     compile: bool = False
     """``torch.compile`` the model."""
-    cuda_graph: bool = False
-    """Replay each step's GPU work from a CUDA graph (one process on a GPU): a NAtS-L step
-    is bound by Python and kernel launches, not by the GPU (``trainers/step.py``). Needs
-    batches of one shape and no route exploration (its noise scale is read on the host)."""
+    cuda_graph: bool | None = None
+    """Replay each step's GPU work from a CUDA graph; by default (``None``) wherever it can
+    record (one process on a CUDA GPU, no ``compile``, no route exploration), else eager.
+    A NAtS-L step is bound by Python and kernel launches, not by the GPU
+    (``trainers/step.py``). Recording needs batches of one shape and no route exploration
+    (its noise scale is read on the host); ``True`` refuses a run where it cannot record."""
     init_from: str | None = None
     """A saved model folder (``save_pretrained``/``nats export``) whose weights start the run."""
     eval_interval: int = 100
@@ -174,9 +176,11 @@ class TrainConfig:
                   f"a divisor of batch_size={self.batch_size} (the batch is split into them)")
         if self.precision not in PRECISIONS:
             _fail("precision", self.precision, f"one of {PRECISIONS}")
-        for name in ("compile", "cuda_graph", "streaming"):
+        for name in ("compile", "streaming"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "true or false")
+        if self.cuda_graph is not None and not isinstance(self.cuda_graph, bool):
+            _fail("cuda_graph", self.cuda_graph, "true, false or null (wherever it can record)")
         if self.cuda_graph and self.compile:
             _fail("cuda_graph", self.cuda_graph, "false with compile = true (give one: the "
                   "compiled model is not recorded)")

@@ -47,7 +47,7 @@ from .route_control import (
     set_exploration,
     update_budget,
 )
-from .step import EagerGradients, GraphedGradients, StepStats, check_graphable
+from .step import EagerGradients, GraphedGradients, StepStats, check_graphable, records_graph
 from .tensorboard_log import RunLog
 
 EvalCallback = Callable[[int, dict[str, float], NatsForCausalLM], None]
@@ -249,7 +249,8 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
     forward = ddp or model
     if config.compile:
         forward = torch.compile(forward)
-    if config.cuda_graph:
+    graphed = records_graph(config, device, world)
+    if graphed:
         gradients = GraphedGradients(model, config, world, device, autocast)
     else:
         gradients = EagerGradients(forward, ddp, model, config, world, device, autocast)
@@ -281,7 +282,8 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
             n_params = sum(p.numel() for p in model.parameters())
             if world.is_main:
                 tqdm.write(f"nats: training {n_params:,} parameters on '{config.task}' ({device}"
-                           f"{f' x {world.size} processes' if world.size > 1 else ''}), "
+                           f"{f' x {world.size} processes' if world.size > 1 else ''}"
+                           f"{', steps from a CUDA graph' if graphed else ''}), "
                            f"steps {step} -> {config.steps}, writing to {out_dir}")
             while step < config.steps and not _stop_agreed(stop, world, device):
                 lr = lr_at(step, config)

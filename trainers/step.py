@@ -134,6 +134,17 @@ def check_graphable(device: torch.device, world: World) -> None:
                          f"(got device {device}, {world.size} processes)")
 
 
+def records_graph(config: TrainConfig, device: torch.device, world: World) -> bool:
+    """Whether a run's steps are replayed from a CUDA graph: as ``config.cuda_graph`` says,
+    and where it says nothing (``None``) wherever recording works, as the eager step is
+    mostly host work on a GPU (docs/BENCHMARKS.md, "Training with ``nats train
+    --cuda-graph``")."""
+    if config.cuda_graph is not None:
+        return config.cuda_graph
+    return (device.type == "cuda" and world.size == 1 and not config.compile
+            and config.route_explore == 0)
+
+
 class GraphedGradients:
     """:class:`EagerGradients` on one GPU, from the second step on replayed from a CUDA graph.
 
@@ -170,9 +181,10 @@ class GraphedGradients:
             self.ids = input_ids.to(self.tokens.device)
             self.labels = labels.to(self.tokens.device)
         elif input_ids.shape != self.ids.shape or labels.shape != self.labels.shape:
-            raise ValueError(f"TrainConfig.cuda_graph = True needs batches of one shape: "
+            raise ValueError(f"CUDA-graphed steps need batches of one shape: "
                              f"{tuple(self.ids.shape)} was recorded, this process's step "
-                             f"{self.steps} has {tuple(input_ids.shape)}")
+                             f"{self.steps} has {tuple(input_ids.shape)} (train with "
+                             f"TrainConfig.cuda_graph = False)")
         else:
             self.ids.copy_(input_ids)
             self.labels.copy_(labels)

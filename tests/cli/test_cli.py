@@ -269,7 +269,7 @@ def test_every_config_field_is_an_option_with_its_docstring_as_help() -> None:
                 continue
             assert f.name in docs, f"{cls.__name__}.{f.name} has no docstring"
             flag = "--" + f.name.replace("_", "-")
-            switch = f.type in (bool, "bool")  # a switch has its negation too
+            switch = f.type in (bool, "bool", "bool | None")  # a switch has its negation too
             assert options[f.name].option_strings == (
                 [flag, "--no-" + flag[2:]] if switch else [flag]), f.name
             assert options[f.name].help.split()[0] == docs[f.name].replace("``", "").split()[0]
@@ -281,9 +281,10 @@ def test_model_and_training_fields_reach_the_run_config(tmp_path: Path, capsys) 
     assert main(["train", "--preset", "mqar-tiny", "--arch", "natsl-all", "--branch-norm",
                  "linear", "--router-lr-scale", "5", "--no-scorer-detach", "--softmax-target",
                  "none", "--budget-anneal", "0.5", "--steps", "2", "--eval-interval", "2",
-                 "--device", "cpu", "--out", str(out)]) == 0
+                 "--no-cuda-graph", "--device", "cpu", "--out", str(out)]) == 0
     saved = json.loads((out / "train_config.json").read_text())
     assert (saved["router_lr_scale"], saved["budget_anneal"]) == (5.0, 0.5)
+    assert saved["cuda_graph"] is False  # an optional switch: not given, it stays None
     model = saved["model"]
     assert (model["branch_norm"], model["scorer_detach"], model["softmax_target"]) == \
         ("linear", False, None)

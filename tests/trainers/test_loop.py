@@ -19,7 +19,7 @@ from nats import NatsForCausalLM
 from nats.trainers import build_batches, evaluate, latest_checkpoint, preset, train
 from nats.trainers.distributed import World
 from nats.trainers.routing_maps import routing_figure, routing_map_image
-from nats.trainers.step import GraphedGradients
+from nats.trainers.step import GraphedGradients, records_graph
 from nats.trainers.tensorboard_log import MAP_SEQUENCES
 
 from .conftest import MicroConfig
@@ -250,6 +250,25 @@ def test_cuda_graph_steps_refuse_what_they_cannot_record(micro: MicroConfig, dev
     with pytest.raises(ValueError, match="needs one process on a CUDA GPU"):
         GraphedGradients(NatsForCausalLM(micro().model), micro(), world, torch.device(device),
                          contextlib.nullcontext())
+
+
+@pytest.mark.parametrize(("given", "device", "world", "changes", "graphed"), [
+    (None, "cuda", World(), {}, True),
+    (None, "cuda:1", World(), {}, True),
+    (None, "cpu", World(), {}, False),
+    (None, "cuda", World(size=2), {}, False),
+    (None, "cuda", World(), {"compile": True}, False),
+    (None, "cuda", World(), {"route_explore": 0.2}, False),
+    (False, "cuda", World(), {}, False),
+    (True, "cuda", World(), {}, True),
+])
+def test_steps_are_graphed_by_default_wherever_they_can_record(
+        micro: MicroConfig, given: bool | None, device: str, world: World, changes: dict,
+        graphed: bool) -> None:
+    """``cuda_graph=None`` (the default) records on one GPU unless ``compile`` or route
+    exploration rule it out, and runs eagerly elsewhere; a given value is obeyed."""
+    config = micro().replace(device="auto", cuda_graph=given, **changes)
+    assert records_graph(config, torch.device(device), world) is graphed
 
 
 def test_cuda_graph_on_a_cpu_is_refused_before_the_run_folder_is_made(
