@@ -148,9 +148,11 @@ def config(seed: int, layer: str, out: Path, scale: str = "cpu",
     measured = {"steps": 1500} if scale == "gpu" else {}
     base = needle.base_config({**needle.SCALES[scale], **measured})
     model = base.model.replace(layer_types=(layer,) * base.model.n_layers, rope=True)
+    # Eager steps: a row's patched Python (one counts steps) must run at every step, which
+    # a step replayed from a CUDA graph would not do.
     return base.replace(model=model,
                         eval_batches=4, log_interval=100, lr=1e-2, seed=seed,
-                        out_dir=str(out), device=device)
+                        out_dir=str(out), device=device, cuda_graph=False)
 
 
 @contextlib.contextmanager

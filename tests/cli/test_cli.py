@@ -235,6 +235,7 @@ def test_routing_cost_options_reach_the_run_config(tmp_path: Path) -> None:
                  "--out", str(out)]) == 0
     saved = json.loads((out / "train_config.json").read_text())
     assert (saved["model"]["reg_lambda"], saved["reg_start"]) == (0.1, 0.5)
+    assert saved["cuda_graph"] is None  # an optional switch not given: graphed where it can
 
 
 def test_mqar_pairs_mix_reaches_the_run_config(tmp_path: Path, capsys) -> None:
@@ -284,7 +285,7 @@ def test_model_and_training_fields_reach_the_run_config(tmp_path: Path, capsys) 
                  "--no-cuda-graph", "--device", "cpu", "--out", str(out)]) == 0
     saved = json.loads((out / "train_config.json").read_text())
     assert (saved["router_lr_scale"], saved["budget_anneal"]) == (5.0, 0.5)
-    assert saved["cuda_graph"] is False  # an optional switch: not given, it stays None
+    assert saved["cuda_graph"] is False
     model = saved["model"]
     assert (model["branch_norm"], model["scorer_detach"], model["softmax_target"]) == \
         ("linear", False, None)

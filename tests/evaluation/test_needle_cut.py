@@ -27,8 +27,9 @@ ROWS = 48
 
 class _AnswersEvenRows(torch.nn.Module):
     """The run's model, with its logits set to the right answer on even rows (the answer is
-    the row's last 7 tokens), so whole answers differ between rows and every count of
-    them is tested, not only zeros."""
+    the row's last 7 tokens) and its first layer's routes drawn at random (seeded by the
+    batch), so whole answers and route patterns differ between rows and every count is
+    tested, not only zeros and one pattern."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
@@ -39,7 +40,11 @@ class _AnswersEvenRows(torch.nn.Module):
         logits = out.logits.clone()
         right = torch.nn.functional.one_hot(ids[::2, -7:], logits.shape[-1]).to(logits.dtype)
         logits[::2, -8:-1] = 1e4 * right
-        return dataclasses.replace(out, logits=logits)
+        routes = out.routes[0].clone()
+        draw = torch.Generator().manual_seed(int(ids.sum()))
+        on_softmax = torch.rand(routes.shape[:-1], generator=draw) < 0.5
+        routes[..., SOFTMAX], routes[..., 1 - SOFTMAX] = on_softmax, ~on_softmax
+        return dataclasses.replace(out, logits=logits, routes=[routes, *out.routes[1:]])
 
 
 @pytest.fixture(scope="module")
@@ -104,9 +109,12 @@ def test_the_split_of_needles_matches_a_plain_recount(run: Path, monkeypatch) ->
     monkeypatch.setattr(needle_cut, "load_model", load_answering)
     got = needle_cut.analyse(str(run), ROWS, None, torch.device("cpu"))
     want = _recount(run, ROWS)
-    # The rows hold both kinds of needle and both outcomes, so no count is vacuous.
+    # The rows hold both kinds of needle, both outcomes and every route, so no count is
+    # vacuous and a swapped pair of chunks would show.
     assert want["inside"][1] > 0 and want["cut"][1] > 0
     assert 0 < want["inside"][0] + want["cut"][0] < ROWS
+    assert set(want["inside_routes"]["head0"]) == {"SM", "LA"}
+    assert set(want["cut_routes"]["head0"]) == {"SM+SM", "SM+LA", "LA+SM", "LA+LA"}
     for key, value in want.items():
         assert got[key] == value, key
     assert got["first_nats_layer"] == 0 and got["chunk_size"] == 16

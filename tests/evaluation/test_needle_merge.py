@@ -13,6 +13,8 @@ from nats import NatsForCausalLM
 from nats.layers import nats_attention
 from nats.model import next_token_cross_entropy
 from nats.trainers.data import build_batches
+from nats.trainers.distributed import World
+from nats.trainers.step import records_graph
 
 # The script's folder, as the scripts put it on the path themselves.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
@@ -124,3 +126,10 @@ def test_plus_qkv_starts_as_the_shared_model_and_trains_its_own_part(tmp_path: P
     for block in patched.blocks:
         own = block.mixer.softmax_qk.conv.weight
         assert not own.any() and own.grad.abs().max() > 0
+
+
+def test_rows_train_eagerly_on_a_gpu(tmp_path: Path) -> None:
+    """A row's patches are Python run at every step (``routed-detach-half`` counts them):
+    a step replayed from a CUDA graph would keep the recorded step's choice."""
+    cfg = needle_merge.config(0, "nats", tmp_path, "gpu", "cuda")
+    assert not records_graph(cfg, torch.device("cuda"), World())

@@ -27,7 +27,7 @@ def test_gated_deltanet_needle_run_stays_finite_in_bf16(tmp_path):
                          needle_haystack="text", needle_distractors=1, lr=3e-3,
                          warmup_steps=100, precision="bf16", eval_interval=250,
                          log_interval=50, checkpoint_interval=1000, device="cuda",
-                         out_dir=str(tmp_path / "run"))
+                         cuda_graph=False, out_dir=str(tmp_path / "run"))
     result = train(config)
     assert all(math.isfinite(loss) for loss in result.train_losses)
     assert math.isfinite(result.eval_metrics["eval/loss"])
@@ -45,7 +45,7 @@ def test_routing_cost_term_stays_finite_in_bf16(tmp_path):
     config = TrainConfig(model=model, task="text", steps=400, batch_size=8, seq_len=2048,
                          lr=1e-3, warmup_steps=50, grad_clip=1.0, precision="bf16",
                          eval_interval=400, log_interval=50, checkpoint_interval=1000,
-                         device="cuda", out_dir=str(tmp_path / "run"))
+                         device="cuda", cuda_graph=False, out_dir=str(tmp_path / "run"))
     result = train(config)
     assert all(math.isfinite(loss) for loss in result.train_losses)
     assert math.isfinite(result.eval_metrics["eval/loss"])
