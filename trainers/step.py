@@ -211,8 +211,16 @@ class GraphedGradients:
             self.model.zero_grad(set_to_none=True)
             return stats, grads
 
-        (stats, grads), self.graph, self.recorded = warm_then_capture(
-            this_step, lambda: self._gradients(global_rows), self.tokens.device)
+        try:
+            (stats, grads), self.graph, self.recorded = warm_then_capture(
+                this_step, lambda: self._gradients(global_rows), self.tokens.device)
+        except torch.cuda.OutOfMemoryError as error:
+            # The graph keeps the step's working memory in a pool of its own, so a run that
+            # fits eagerly may not fit recorded: say how to train without the graph.
+            raise torch.cuda.OutOfMemoryError(
+                f"{error}\nRecording the training step in a CUDA graph ran out of GPU memory: "
+                "train eagerly with TrainConfig.cuda_graph = False (nats train "
+                "--no-cuda-graph)") from error
         # The recording ran nothing: give this step's gradients to the optimizer in the
         # tensors that replays will fill.
         for p, grad in zip(params, grads, strict=True):

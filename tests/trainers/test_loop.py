@@ -271,6 +271,28 @@ def test_steps_are_graphed_by_default_wherever_they_can_record(
     assert records_graph(config, torch.device(device), world) is graphed
 
 
+def test_running_out_of_memory_while_recording_says_how_to_train_without_the_graph(
+        micro: MicroConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The graph holds the step's working memory apart, so a run that fits eagerly can fail
+    to record; the error must name the switch back to eager steps."""
+    import nats.trainers.step as step
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(step, "check_graphable", lambda device, world: None)  # on a CPU
+    monkeypatch.setattr(step, "warm_then_capture", out_of_memory)
+    config = micro()
+    batches = build_batches(config)
+    gradients = step.GraphedGradients(NatsForCausalLM(config.model), config, World(),
+                                      torch.device("cpu"), contextlib.nullcontext())
+    gradients(batches.train(0), 0.0)  # the first step runs eagerly
+    with pytest.raises(torch.cuda.OutOfMemoryError) as raised:
+        gradients(batches.train(1), 0.0)
+    assert "Tried to allocate 2.00 GiB" in str(raised.value)
+    assert "--no-cuda-graph" in str(raised.value)
+
+
 def test_cuda_graph_on_a_cpu_is_refused_before_the_run_folder_is_made(
         micro: MicroConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``device="auto"`` passes the config's checks and resolves to the CPU only in
