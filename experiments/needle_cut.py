@@ -55,7 +55,7 @@ def analyse(run: str, rows: int, budget: float | None, device: torch.device) -> 
         calibrate_budget(model, [ids.to(device) for ids, _ in
                                  build_batches(config).calibration(8)], budget)
     first_nats = next((i for i, t in enumerate(model.config.layer_types) if t == "nats"), None)
-    inside, cut = [0, 0], [0, 0]
+    whole = {group: [0, 0] for group in ("inside", "cut")}
     by_tokens: dict[int, list[int]] = defaultdict(lambda: [0, 0])
     patterns = {group: defaultdict(lambda: defaultdict(lambda: [0, 0]))
                 for group in ("inside", "cut")}
@@ -68,25 +68,25 @@ def analyse(run: str, rows: int, budget: float | None, device: torch.device) -> 
         solved = (answers == labels[:, -task.VALUE_DIGITS:]).all(1).tolist()
         marked = task.relevant_positions(ids, labels)
         start, end = (bound.tolist() for bound in span_bounds(marked))
+        routes = out.routes[first_nats] if first_nats is not None else None
+        # [B, N, H] (the last chunk has no route, so N is one short of the row's chunks).
+        sm = (routes[:, :-1, :, SOFTMAX] > 0.5).tolist() if routes is not None else None
         for b, ok in enumerate(solved):
             c0, c1 = start[b] // c, end[b] // c
             group = "inside" if c0 == c1 else "cut"
-            counts = inside if c0 == c1 else cut
-            counts[0] += ok
-            counts[1] += 1
+            whole[group][0] += ok
+            whole[group][1] += 1
             if c0 != c1:
                 by_tokens[c - start[b] % c][0] += ok
                 by_tokens[c - start[b] % c][1] += 1
-            routes = out.routes[first_nats] if first_nats is not None else None
-            if routes is None or c1 >= routes.shape[1] - 1:
+            if sm is None or c1 >= len(sm[b]):
                 continue
-            sm = (routes[b, :, :, SOFTMAX] > 0.5).tolist()
-            for h in range(routes.shape[2]):
-                key = "+".join("SM" if sm[i][h] else "LA" for i in sorted({c0, c1}))
+            for h in range(len(sm[b][c0])):
+                key = "+".join("SM" if sm[b][i][h] else "LA" for i in sorted({c0, c1}))
                 patterns[group][f"head{h}"][key][0] += ok
                 patterns[group][f"head{h}"][key][1] += 1
     return {"run": run, "calibrated_budget": budget, "chunk_size": c,
-            "seq_len": config.seq_len, "inside": inside, "cut": cut,
+            "seq_len": config.seq_len, **whole,
             "cut_by_tokens_in_first_chunk": dict(sorted(by_tokens.items())),
             "first_nats_layer": first_nats,
             **{f"{group}_routes": {h: dict(sorted(p.items())) for h, p in sorted(heads.items())}

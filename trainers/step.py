@@ -126,10 +126,15 @@ class EagerGradients:
         return _stats(sums, self.world, global_tokens, global_rows)
 
 
+def _one_gpu(device: torch.device, world: World) -> bool:
+    """Where a step can be recorded: one process on a CUDA GPU."""
+    return device.type == "cuda" and world.size == 1
+
+
 def check_graphable(device: torch.device, world: World) -> None:
     """Refuse ``cuda_graph`` where it cannot record; the loop calls this before it builds
     data or touches the run folder, so a wrong device costs nothing."""
-    if device.type != "cuda" or world.size != 1:
+    if not _one_gpu(device, world):
         raise ValueError("TrainConfig.cuda_graph = True needs one process on a CUDA GPU "
                          f"(got device {device}, {world.size} processes)")
 
@@ -141,8 +146,7 @@ def records_graph(config: TrainConfig, device: torch.device, world: World) -> bo
     --cuda-graph``")."""
     if config.cuda_graph is not None:
         return config.cuda_graph
-    return (device.type == "cuda" and world.size == 1 and not config.compile
-            and config.route_explore == 0)
+    return _one_gpu(device, world) and not config.compile and config.route_explore == 0
 
 
 class GraphedGradients:
