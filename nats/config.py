@@ -114,11 +114,12 @@ class NatsConfig:
     """Centre and scale the pooled chunk input per feature by running statistics over
     chunks before the scorer, so its logits compare chunks rather than move with what they
     all share (see ``ChunkScorer``)."""
-    scorer_pool: str = "mean"
+    scorer_pool: str = "max"
     """The scorer's input per chunk: ``mean``, ``max`` or ``mean_max`` (``SCORER_POOLS``).
-    With the mean, a routed model answered needles inside one chunk (0.99) but not those a
-    chunk boundary cuts (0.35): the router sent only the part with more of the needle to
-    softmax (docs/RESULTS.md, "Needles a chunk boundary cuts")."""
+    A mean weighs a few informative tokens by their count: with it a routed model sent only
+    the larger part of a needle cut by a chunk boundary to softmax, and at GPU scale one
+    seed of three failed concentrated recall that the max learned on all three; the LM is
+    level (docs/RESULTS.md, "The max pool at GPU scale"). The official layer's is the mean."""
     scorer_init: str = "zero"
     """``zero``: every chunk starts undecided; ``normal``: drawn like every weight."""
     scorer_detach: bool = True

@@ -304,16 +304,21 @@ def _calibrate(model: NatsForCausalLM, scores: _Scores,
     return out
 
 
+_BEYOND = 1e4
+"""How far past the extreme score a share of 0 or 1 puts the bias: every chunk of other
+data too (a max-pooled scorer's scores spread over tens)."""
+
+
 def _threshold(z: torch.Tensor, target: float) -> float:
     """The bias that sends the ``round(target * n)`` largest of ``n`` scores to softmax:
     minus the midpoint between that score and the next (sorting, as ``torch.quantile``
-    refuses more than 2^24 values)."""
+    refuses more than 2^24 values); none or all of them by a wide margin."""
     ranked = z.sort(descending=True).values
     k = round(target * ranked.numel())
     if k == 0:
-        return -float(ranked[0]) - 1.0
+        return -float(ranked[0]) - _BEYOND
     if k == ranked.numel():
-        return -float(ranked[-1]) + 1.0
+        return -float(ranked[-1]) + _BEYOND
     return -float(ranked[k - 1] + ranked[k]) / 2
 
 

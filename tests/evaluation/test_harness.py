@@ -223,7 +223,7 @@ def test_cli_splits_a_model_wide_budget_among_the_heads(tmp_path: Path, capsys) 
     assert "splitting 0.25 among the heads by the loss on 2 batches" in printed
     kept = float(re.search(r"biases to (\d\.?\d*) on average over the heads \(a split of "
                            r"0.25 at share price 0\) on mqar seq_len=128", printed)[1])
-    found = re.findall(r"layer (\d) head (\d) bias -?\d\.\d+ share (\d\.\d+)", printed)
+    found = re.findall(r"layer (\d) head (\d) bias -?\d+\.\d+ share (\d\.\d+)", printed)
     assert [(int(i), int(h)) for i, h, _ in found] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert 0 <= kept <= 0.25
     assert sum(float(x) for *_, x in found) / 4 == pytest.approx(kept, abs=0.01)

@@ -34,11 +34,11 @@ def test_decoding_with_the_softmax_branchs_own_qkv(seq_len, prompt_len):
     assert rel_err(decode_logits(model, ids, prompt_len), full) < 1e-12
 
 
-@pytest.mark.parametrize("pool", ["max", "mean_max"])
+@pytest.mark.parametrize("pool", ["mean", "max", "mean_max"])
 @pytest.mark.parametrize(("seq_len", "prompt_len"), [(45, 20), (48, 16), (37, 1)])
-def test_decoding_scores_chunks_by_their_running_maximum(pool, seq_len, prompt_len):
-    """``scorer_pool`` ``max`` / ``mean_max``: the decode cache's running maximum, started
-    from the prompt's open chunk (empty at 48 / 16), routes as the parallel form's pool."""
+def test_decoding_scores_chunks_by_their_running_pool(pool, seq_len, prompt_len):
+    """``scorer_pool``: the decode cache's running sum (and maximum), started from the
+    prompt's open chunk (empty at 48 / 16), routes as the parallel form's pool."""
     model = tiny_model(("nats", "nats"), rope=True, scorer_pool=pool)
     ids = torch.randint(0, 50, (3, seq_len), generator=torch.Generator().manual_seed(seq_len))
     full = model(ids)

@@ -55,15 +55,16 @@ def test_layer_matches_its_definition_written_out(softmax_qkv):
     assert rel_err(y, expected) < 1e-12
 
 
-@pytest.mark.parametrize("pool", ["max", "mean_max"])
+@pytest.mark.parametrize("pool", ["mean", "max", "mean_max"])
 def test_routes_read_the_chunk_pool_written_out(pool):
-    """``scorer_pool``: the scorer reads each chunk's maximum per feature (after the mean
-    under ``mean_max``), over the partial last chunk's own tokens."""
+    """``scorer_pool``: the scorer reads each chunk's mean or maximum per feature (both side
+    by side under ``mean_max``), over the partial last chunk's own tokens."""
     layer = nats_layer(scorer_pool=pool)
     x = torch.randn(2, 45, 32, dtype=torch.float64)
     chunks = [x[:, i:i + 16] for i in range(0, 45, 16)]
-    pooled = torch.stack([torch.cat([c.mean(1), c.amax(1)], -1) if pool == "mean_max"
-                          else c.amax(1) for c in chunks], 1)
+    pools = {"mean": lambda c: c.mean(1), "max": lambda c: c.amax(1),
+             "mean_max": lambda c: torch.cat([c.mean(1), c.amax(1)], -1)}
+    pooled = torch.stack([pools[pool](c) for c in chunks], 1)
     logits = layer.scorer.proj(pooled).view(2, 3, layer.cfg.n_heads, 2)
     routes = layer(x)[1].routes
     assert torch.equal(routes, F.one_hot(logits.argmax(-1), 2).double())

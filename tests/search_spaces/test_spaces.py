@@ -84,7 +84,7 @@ def test_linear_op_dimension_validates_and_samples_every_operator() -> None:
 @pytest.mark.parametrize(("key", "values", "bad", "allowed"), [
     ("branch_norm", ["both", "linear"], "rms", "'both'"),
     ("softmax_qkv", ["shared", "own"], "separate", "'shared', 'own'"),
-    ("scorer_pool", ["mean", "max"], "sum", "'mean', 'max', 'mean_max'"),
+    ("scorer_pool", ["max", "mean"], "sum", "'mean', 'max', 'mean_max'"),
 ])
 def test_a_merge_setting_is_a_routing_choice(key: str, values: list[str], bad: str,
                                              allowed: str) -> None:
