@@ -7,7 +7,7 @@ Each RUN is a needle run folder (``needle.py``'s ``OUT/runs/TAG``, or any ``nats
 --task needle`` run). On its training length, text haystack, no distractor, ``--rows``
 test rows (the test stream of ``needle.py``), it prints whole answers for needles inside
 one chunk and for needles cut by a boundary, the cut ones by how many of the needle's
-tokens fall in its first chunk, and per routing head of the first NAtS-L layer how the
+tokens fall in its first chunk, and per routing head of every NAtS-L layer how the
 needle's chunk was routed (``SM`` or ``LA``) and how the two chunks of a cut needle were
 (``SM+LA``: the first to softmax, the second to linear), with the whole answers of each
 pattern: are the misses the router's? A needle whose (last) chunk is a row's last, which
@@ -54,7 +54,8 @@ def analyse(run: str, rows: int, budget: float | None, device: torch.device) -> 
     if budget is not None:
         calibrate_budget(model, [ids.to(device) for ids, _ in
                                  build_batches(config).calibration(8)], budget)
-    first_nats = next((i for i, t in enumerate(model.config.layer_types) if t == "nats"), None)
+    # Every routed layer: the layer that routes the needle differs between seeds.
+    nats_layers = [i for i, t in enumerate(model.config.layer_types) if t == "nats"]
     whole = {group: [0, 0] for group in ("inside", "cut")}
     by_tokens: dict[int, list[int]] = defaultdict(lambda: [0, 0])
     patterns = {group: defaultdict(lambda: defaultdict(lambda: [0, 0]))
@@ -68,9 +69,8 @@ def analyse(run: str, rows: int, budget: float | None, device: torch.device) -> 
         solved = (answers == labels[:, -task.VALUE_DIGITS:]).all(1).tolist()
         marked = task.relevant_positions(ids, labels)
         start, end = (bound.tolist() for bound in span_bounds(marked))
-        routes = out.routes[first_nats] if first_nats is not None else None
-        # [B, N, H] (the last chunk has no route, so N is one short of the row's chunks).
-        sm = (routes[:, :-1, :, SOFTMAX] > 0.5).tolist() if routes is not None else None
+        # Per layer [B, N, H] (the last chunk has no route, so N is one short of the row's).
+        sm = {i: (out.routes[i][:, :-1, :, SOFTMAX] > 0.5).tolist() for i in nats_layers}
         for b, ok in enumerate(solved):
             c0, c1 = start[b] // c, end[b] // c
             group = "inside" if c0 == c1 else "cut"
@@ -79,16 +79,17 @@ def analyse(run: str, rows: int, budget: float | None, device: torch.device) -> 
             if c0 != c1:
                 by_tokens[c - start[b] % c][0] += ok
                 by_tokens[c - start[b] % c][1] += 1
-            if sm is None or c1 >= len(sm[b]):
-                continue
-            for h in range(len(sm[b][c0])):
-                key = "+".join("SM" if sm[b][i][h] else "LA" for i in sorted({c0, c1}))
-                patterns[group][f"head{h}"][key][0] += ok
-                patterns[group][f"head{h}"][key][1] += 1
+            for layer, on_sm in sm.items():
+                if c1 >= len(on_sm[b]):
+                    break
+                for h in range(len(on_sm[b][c0])):
+                    key = "+".join("SM" if on_sm[b][i][h] else "LA" for i in sorted({c0, c1}))
+                    patterns[group][f"layer{layer} head{h}"][key][0] += ok
+                    patterns[group][f"layer{layer} head{h}"][key][1] += 1
     return {"run": run, "calibrated_budget": budget, "chunk_size": c,
             "seq_len": config.seq_len, **whole,
             "cut_by_tokens_in_first_chunk": dict(sorted(by_tokens.items())),
-            "first_nats_layer": first_nats,
+            "nats_layers": nats_layers,
             **{f"{group}_routes": {h: dict(sorted(p.items())) for h, p in sorted(heads.items())}
                for group, heads in patterns.items()}}
 
@@ -120,7 +121,7 @@ def main() -> None:
             f"{k}: {_ratio(v)}" for k, v in r["cut_by_tokens_in_first_chunk"].items()))
         for group, what in (("inside", "the needle's chunk"), ("cut", "the two chunks")):
             for head, p in r[f"{group}_routes"].items():
-                print(f"  layer {r['first_nats_layer']} {head}, routes of {what}: "
+                print(f"  {head}, routes of {what}: "
                       + ", ".join(f"{k} {_ratio(v)}" for k, v in p.items()))
     if args.out is not None:
         args.out.write_text(json.dumps(results, indent=1) + "\n")

@@ -1,5 +1,5 @@
 """``experiments/needle_cut.py``: its split of needles (inside one chunk or cut by a
-boundary, by the cut needle's tokens in its first chunk, by how the first NAtS-L layer's
+boundary, by the cut needle's tokens in its first chunk, by how every NAtS-L layer's
 heads routed the needle's chunks) against a plain recount of the same rows."""
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ ROWS = 48
 
 class _AnswersEvenRows(torch.nn.Module):
     """The run's model, with its logits set to the right answer on even rows (the answer is
-    the row's last 7 tokens) and its first layer's routes drawn at random (seeded by the
-    batch), so whole answers and route patterns differ between rows and every count is
+    the row's last 7 tokens) and every layer's routes drawn at random (seeded by the batch
+    and the layer), so whole answers and route patterns differ between rows and every count is
     tested, not only zeros and one pattern."""
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -40,11 +40,14 @@ class _AnswersEvenRows(torch.nn.Module):
         logits = out.logits.clone()
         right = torch.nn.functional.one_hot(ids[::2, -7:], logits.shape[-1]).to(logits.dtype)
         logits[::2, -8:-1] = 1e4 * right
-        routes = out.routes[0].clone()
-        draw = torch.Generator().manual_seed(int(ids.sum()))
-        on_softmax = torch.rand(routes.shape[:-1], generator=draw) < 0.5
-        routes[..., SOFTMAX], routes[..., 1 - SOFTMAX] = on_softmax, ~on_softmax
-        return dataclasses.replace(out, logits=logits, routes=[routes, *out.routes[1:]])
+        drawn = []
+        for layer, routes in enumerate(out.routes):
+            routes = routes.clone()
+            draw = torch.Generator().manual_seed(int(ids.sum()) + layer)
+            on_softmax = torch.rand(routes.shape[:-1], generator=draw) < 0.5
+            routes[..., SOFTMAX], routes[..., 1 - SOFTMAX] = on_softmax, ~on_softmax
+            drawn.append(routes)
+        return dataclasses.replace(out, logits=logits, routes=drawn)
 
 
 @pytest.fixture(scope="module")
@@ -85,14 +88,14 @@ def _recount(run: Path, rows: int) -> dict:
                 if group == "cut":
                     tokens[c - first % c][0] += ok
                     tokens[c - first % c][1] += 1
-                n_routed = out.routes[0].shape[1] - 1  # the row's last chunk has no route
-                if chunks[-1] >= n_routed:
-                    continue
-                for h in range(out.routes[0].shape[2]):
-                    key = "+".join("SM" if out.routes[0][b, i, h, SOFTMAX] > 0.5 else "LA"
-                                   for i in chunks)
-                    routes[group][f"head{h}"][key][0] += ok
-                    routes[group][f"head{h}"][key][1] += 1
+                for layer, r in enumerate(out.routes):
+                    if chunks[-1] >= r.shape[1] - 1:  # the row's last chunk has no route
+                        continue
+                    for h in range(r.shape[2]):
+                        key = "+".join("SM" if r[b, i, h, SOFTMAX] > 0.5 else "LA"
+                                       for i in chunks)
+                        routes[group][f"layer{layer} head{h}"][key][0] += ok
+                        routes[group][f"layer{layer} head{h}"][key][1] += 1
     want["cut_by_tokens_in_first_chunk"] = dict(tokens)
     for group, heads in routes.items():
         want[f"{group}_routes"] = {h: dict(p) for h, p in heads.items()}
@@ -113,8 +116,11 @@ def test_the_split_of_needles_matches_a_plain_recount(run: Path, monkeypatch) ->
     # vacuous and a swapped pair of chunks would show.
     assert want["inside"][1] > 0 and want["cut"][1] > 0
     assert 0 < want["inside"][0] + want["cut"][0] < ROWS
-    assert set(want["inside_routes"]["head0"]) == {"SM", "LA"}
-    assert set(want["cut_routes"]["head0"]) == {"SM+SM", "SM+LA", "LA+SM", "LA+LA"}
+    n_layers = len(got["nats_layers"])
+    assert n_layers >= 2 and len(want["inside_routes"]) == n_layers * 2  # two heads a layer
+    for head in want["inside_routes"]:
+        assert set(want["inside_routes"][head]) == {"SM", "LA"}
+        assert set(want["cut_routes"][head]) == {"SM+SM", "SM+LA", "LA+SM", "LA+LA"}
     for key, value in want.items():
         assert got[key] == value, key
-    assert got["first_nats_layer"] == 0 and got["chunk_size"] == 16
+    assert got["nats_layers"] == list(range(n_layers)) and got["chunk_size"] == 16
