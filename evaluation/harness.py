@@ -83,10 +83,8 @@ def evaluate_slice(model: NatsForCausalLM, config: TrainConfig, batches: int,
         model(data[0][0][:1].to(device))
     memory = _Memory(device)
     start = time.perf_counter()
-    task = config.synthetic_task()
-    relevant = getattr(task, "relevant_positions", None)
-    result = evaluate(model, data, device, autocast, source.bytes_per_token, relevant,
-                      getattr(task, "ONE_SPAN", False))
+    result = evaluate(model, data, device, autocast, source.bytes_per_token,
+                      config.synthetic_task())
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start

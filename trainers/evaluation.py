@@ -222,16 +222,18 @@ def labelled_token_count(labels: torch.Tensor) -> int:
 def evaluate(model: NatsForCausalLM, batches: list[Batch], device: torch.device,
              autocast: contextlib.AbstractContextManager | None = None,
              bytes_per_token: float | None = None,
-             relevant: RelevantFn | None = None, by_position: bool = False) -> Evaluation:
-    """Evaluate ``model`` on ``batches`` in eval mode.
+             task: object | None = None) -> Evaluation:
+    """Evaluate ``model`` on ``batches`` (of the synthetic ``task``, if any) in eval mode.
 
     ``eval/acc`` is the share of labelled tokens predicted exactly (greedy) and
     ``eval/seq_acc`` the share of sequences whose labelled tokens are all right, e.g. MQAR
     queries or a needle's digits. ``eval/bpb`` (bits per byte) needs ``bytes_per_token``;
-    the routing precision (:class:`RoutingPrecision`) needs the task's ``relevant``, and
-    ``by_position`` (tasks whose ``relevant`` marks one span per row, the needle) adds
-    :class:`SpanPosition`'s accuracies.
+    the routing precision (:class:`RoutingPrecision`) needs the task's
+    ``relevant_positions`` (a :data:`RelevantFn`), and a task whose positions are one span
+    per row (``ONE_SPAN``, the needle) adds :class:`SpanPosition`'s accuracies.
     """
+    relevant: RelevantFn | None = getattr(task, "relevant_positions", None)
+    by_position: bool = getattr(task, "ONE_SPAN", False)
     was_training = model.training
     model.eval()
     ce_sum = reg_sum = 0.0

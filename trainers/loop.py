@@ -230,8 +230,6 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
     batches = build_batches(config)
     eval_batches = batches.eval(config.eval_batches)
     task = config.synthetic_task()
-    relevant = getattr(task, "relevant_positions", None)
-    by_position = getattr(task, "ONE_SPAN", False)
     autocast = autocast_for(config.precision, device)
 
     torch.manual_seed(config.seed)
@@ -317,7 +315,7 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
                 if world.is_main and (step % config.eval_interval == 0
                                       or step == config.steps):
                     result = evaluate(model, eval_batches, device, autocast,
-                                      batches.bytes_per_token, relevant, by_position)
+                                      batches.bytes_per_token, task)
                     eval_metrics = result.metrics
                     log.evaluation(result, step, config.model, config.seq_len)
                     tqdm.write(_eval_line(step, eval_metrics))
