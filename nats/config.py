@@ -282,7 +282,8 @@ class NatsConfig:
         The derived layer lists may be present (``to_dict`` writes them) or absent (older
         files), but where present they must agree with ``layer_types``; so may the keys
         ``transformers`` reads (``HF_KEYS``), of model type "nats". Recipe fields
-        missing from older files take the official layer's values, which those models had.
+        missing from older files take the official layer's values, which those models had,
+        and fields whose default has changed since their ``FORMER_DEFAULTS``.
         """
         model_type = d.get("model_type", HF_KEYS["model_type"])
         if model_type != HF_KEYS["model_type"]:
@@ -292,9 +293,12 @@ class NatsConfig:
         reject_unknown_fields(cls, fields)
         # A complete dump (``to_dict`` writes every field) without the recipe fields was
         # written before they existed: its model was trained, and shaped (the output gate
-        # has weights), the official way. A hand-written partial file takes the defaults.
-        if set(fields) >= DUMP_FIELDS and not set(OFFICIAL_RECIPE) & set(fields):
-            fields = {**OFFICIAL_RECIPE, **fields}
+        # has weights), the official way; one without a later field, with that field's
+        # value of the time. A hand-written partial file takes the defaults.
+        if set(fields) >= DUMP_FIELDS:
+            if not set(OFFICIAL_RECIPE) & set(fields):
+                fields = {**OFFICIAL_RECIPE, **fields}
+            fields = {**FORMER_DEFAULTS, **fields}
         config = cls(**fields)
         for key, kind in LAYER_LISTS.items():
             expected = list(config.layers_of(kind))
@@ -325,6 +329,10 @@ The defaults differ where docs/RESULTS.md measured that they train better."""
 DUMP_FIELDS = frozenset({"sampler", "gumbel_tau", "reg_lambda", "norm_eps",
                          "initializer_range", "tie_embeddings"})
 """Fields that every ``to_dict`` dump has held, and hand-written configs seldom do."""
+
+FORMER_DEFAULTS: dict[str, Any] = {"scorer_pool": "mean"}
+"""Fields whose default changed after they were added, at the value every model saved
+before the field existed had: a complete dump without one was trained that way."""
 
 
 def reject_unknown_fields(cls: type, data: dict[str, Any]) -> None:

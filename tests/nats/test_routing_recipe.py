@@ -257,10 +257,11 @@ def test_old_dumps_load_with_the_official_recipe_and_partial_files_with_the_defa
     assert NatsConfig.from_dict(old) == NatsConfig().official_recipe()
     partial = {"d_model": 64, "head_dim_k": 32, "head_dim_v": 32, "chunk_size": 16}
     assert NatsConfig.from_dict(partial) == NatsConfig(**partial)
-    mixed = {**old, "softmax_target": 0.5}  # any recipe key: a file of this version
-    assert NatsConfig.from_dict(mixed) == NatsConfig().replace(softmax_target=0.5)
-    linear = NatsConfig(branch_norm="linear")
-    assert NatsConfig.from_dict(linear.to_dict()) == linear
+    mixed = {**old, "softmax_target": 0.5}  # any recipe key: the recipe's version
+    # ... but without scorer_pool, from before the field, when every model pooled the mean
+    assert NatsConfig.from_dict(mixed) == NatsConfig(softmax_target=0.5, scorer_pool="mean")
+    for saved in (NatsConfig(branch_norm="linear"), NatsConfig(), NatsConfig(scorer_pool="mean")):
+        assert NatsConfig.from_dict(saved.to_dict()) == saved  # a field written is kept
 
 
 @pytest.mark.parametrize("branch_norm", ["both", "linear", "scaled", "none"])
