@@ -304,21 +304,20 @@ def _calibrate(model: NatsForCausalLM, scores: _Scores,
     return out
 
 
-_BEYOND = 1e4
-"""How far past the extreme score a share of 0 or 1 puts the bias: every chunk of other
-data too (a max-pooled scorer's scores spread over tens)."""
-
-
 def _threshold(z: torch.Tensor, target: float) -> float:
     """The bias that sends the ``round(target * n)`` largest of ``n`` scores to softmax:
     minus the midpoint between that score and the next (sorting, as ``torch.quantile``
-    refuses more than 2^24 values); none or all of them by a wide margin."""
+    refuses more than 2^24 values). None or all of them: the bias lies past the extreme
+    score by one plus the scores' range, so that other data's chunks follow too (a fixed
+    unit missed some under a max-pooled scorer, whose scores spread wider) while a budget
+    trained on afterwards can still move it back."""
     ranked = z.sort(descending=True).values
     k = round(target * ranked.numel())
+    margin = 1.0 + float(ranked[0] - ranked[-1])
     if k == 0:
-        return -float(ranked[0]) - _BEYOND
+        return -float(ranked[0]) - margin
     if k == ranked.numel():
-        return -float(ranked[-1]) + _BEYOND
+        return -float(ranked[-1]) + margin
     return -float(ranked[k - 1] + ranked[k]) / 2
 
 

@@ -269,7 +269,8 @@ def _loss_per_head(model: NatsForCausalLM, batches: list[tuple[torch.Tensor, tor
         for h, t in enumerate(share):
             ranked = z[:, h].sort(descending=True).values
             k = round(t * len(ranked))
-            cut = (ranked[0] + 1e4 if k == 0 else ranked[-1] - 1e4 if k == len(ranked)
+            margin = 1 + ranked[0] - ranked[-1]
+            cut = (ranked[0] + margin if k == 0 else ranked[-1] - margin if k == len(ranked)
                    else (ranked[k - 1] + ranked[k]) / 2)
             layer.budget.route_bias[h] = -cut
     with torch.no_grad():
