@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -81,7 +82,7 @@ def analyse(run: str, rows: int, budget: float | None, device: torch.device) -> 
                 by_tokens[c - start[b] % c][1] += 1
             for layer, on_sm in sm.items():
                 if c1 >= len(on_sm[b]):
-                    break
+                    continue
                 for h in range(len(on_sm[b][c0])):
                     key = "+".join("SM" if on_sm[b][i][h] else "LA" for i in sorted({c0, c1}))
                     patterns[group][f"layer{layer} head{h}"][key][0] += ok
@@ -90,7 +91,8 @@ def analyse(run: str, rows: int, budget: float | None, device: torch.device) -> 
             "seq_len": config.seq_len, **whole,
             "cut_by_tokens_in_first_chunk": dict(sorted(by_tokens.items())),
             "nats_layers": nats_layers,
-            **{f"{group}_routes": {h: dict(sorted(p.items())) for h, p in sorted(heads.items())}
+            **{f"{group}_routes": {h: dict(sorted(p.items())) for h, p in sorted(
+                heads.items(), key=lambda kv: [int(n) for n in re.findall(r"\d+", kv[0])])}
                for group, heads in patterns.items()}}
 
 

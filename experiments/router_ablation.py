@@ -15,7 +15,7 @@ trained as
   evaluation (what routing costs the model when nothing is learned about it).
 
 ``--softmax-qkv own`` gives the softmax branch q/k/v of its own in every mode,
-``--scorer-pool max`` the scorer a maximum over each chunk instead of its mean. Prints one
+``--scorer-pool mean`` the scorer a chunk's mean instead of its maximum (the default). Prints one
 markdown row per mode: accuracy per seed on 8 held-out batches, mean +- std,
 and the share of the pairs' chunk and of other chunks sent to softmax.
 """
@@ -48,7 +48,7 @@ def random_routes(share: float):
 
 
 def run(mode: str, seed: int, softmax_qkv: str = "shared", rope: bool = True,
-        steps: int = 600, scorer_pool: str = "mean") -> dict[str, float]:
+        steps: int = 600, scorer_pool: str = NatsConfig.scorer_pool) -> dict[str, float]:
     model = NatsConfig(vocab_size=32, d_model=64, n_layers=2, n_heads=2,
                        softmax_heads_per_head=2, head_dim_k=32, head_dim_v=32, chunk_size=16,
                        layer_types=("nats", "nats"), rope=rope,
@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--softmax-qkv", choices=SOFTMAX_QKVS, default="shared")
-    parser.add_argument("--scorer-pool", choices=SCORER_POOLS, default="mean")
+    parser.add_argument("--scorer-pool", choices=SCORER_POOLS, default=NatsConfig.scorer_pool)
     parser.add_argument("--no-rope", action="store_true",
                         help="no rotary embedding on the softmax heads (the CI routing "
                         "test has one)")

@@ -17,7 +17,7 @@ from nats import NatsForCausalLM
 from nats.kernels import SOFTMAX
 from nats.model import IGNORE_INDEX, next_token_cross_entropy
 
-from .synthetic import Batch
+from .synthetic import Batch, SyntheticTask
 
 
 @dataclass
@@ -222,7 +222,7 @@ def labelled_token_count(labels: torch.Tensor) -> int:
 def evaluate(model: NatsForCausalLM, batches: list[Batch], device: torch.device,
              autocast: contextlib.AbstractContextManager | None = None,
              bytes_per_token: float | None = None,
-             task: object | None = None) -> Evaluation:
+             task: SyntheticTask | None = None) -> Evaluation:
     """Evaluate ``model`` on ``batches`` (of the synthetic ``task``, if any) in eval mode.
 
     ``eval/acc`` is the share of labelled tokens predicted exactly (greedy) and

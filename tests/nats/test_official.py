@@ -249,6 +249,7 @@ def test_official_defaults_are_refused_where_this_layer_differs():
       "branch_norm": "scaled"}, "branch_norm"),
     ({"scorer_norm": False, "softmax_target": None, "output_gate": "silu",
       "softmax_qkv": "own"}, "softmax_qkv"),
+    ({"scorer_norm": False, "softmax_target": None, "output_gate": "silu"}, "scorer_pool"),
 ])
 def test_a_forward_the_official_layer_cannot_compute_is_refused(change, field):
     with pytest.raises(ConfigError, match=field):
