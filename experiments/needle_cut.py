@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -85,14 +84,14 @@ def analyse(run: str, rows: int, budget: float | None, device: torch.device) -> 
                     continue
                 for h in range(len(on_sm[b][c0])):
                     key = "+".join("SM" if on_sm[b][i][h] else "LA" for i in sorted({c0, c1}))
-                    patterns[group][f"layer{layer} head{h}"][key][0] += ok
-                    patterns[group][f"layer{layer} head{h}"][key][1] += 1
+                    patterns[group][layer, h][key][0] += ok
+                    patterns[group][layer, h][key][1] += 1
     return {"run": run, "calibrated_budget": budget, "chunk_size": c,
             "seq_len": config.seq_len, **whole,
             "cut_by_tokens_in_first_chunk": dict(sorted(by_tokens.items())),
             "nats_layers": nats_layers,
-            **{f"{group}_routes": {h: dict(sorted(p.items())) for h, p in sorted(
-                heads.items(), key=lambda kv: [int(n) for n in re.findall(r"\d+", kv[0])])}
+            **{f"{group}_routes": {f"layer{layer} head{h}": dict(sorted(p.items()))
+                                   for (layer, h), p in sorted(heads.items())}
                for group, heads in patterns.items()}}
 
 
