@@ -15,6 +15,11 @@ has no route, is left out of the patterns. ``--calibrate-budget F``
 first sets each budgeted layer's routing bias so that it routes F of the chunks of 8
 calibration batches of the same slice (as ``nats eval --calibrate-budget``): does a router
 given more share keep both parts of a cut needle?
+
+``--distractors D`` hides D more needles with other keys in every row (as ``needle.py``'s
+test slices with distractors): each route pattern then also says how many distractors went
+whole to softmax (``SM d2/2``), and the missed answers that are a distractor's value are
+counted: a model that answers a distractor read a needle but matched the wrong key.
 """
 
 from __future__ import annotations
@@ -43,20 +48,30 @@ def _ratio(counts: list[int]) -> str:
 
 
 @torch.no_grad()
-def analyse(run: str, rows: int, budget: float | None, device: torch.device) -> dict:
+def _needles(row: list[int], filler_start: int, width: int) -> list[int]:
+    """Where every needle of a row's body starts: keys and digits never occur in the
+    haystack, so its non-filler tokens, in order, are the needles' ``width`` tokens each."""
+    marked = [i for i, token in enumerate(row[:-width]) if token < filler_start]
+    return marked[::width]
+
+
+def analyse(run: str, rows: int, budget: float | None, device: torch.device,
+            distractors: int = 0) -> dict:
     loaded = load_model(run, device)
     model, config = loaded.model.eval(), loaded.train_config
     if config.task != "needle":
         raise SystemExit(f"needle_cut: {run} was trained on {config.task!r}, not the needle")
-    config = config.replace(needle_distractors=0, needle_haystack="text",
+    config = config.replace(needle_distractors=distractors, needle_haystack="text",
                             eval_seed=common.TEST_EVAL_SEED)
     task, c = config.synthetic_task(), model.config.chunk_size
+    width, digits = task.key_len + task.VALUE_DIGITS, task.VALUE_DIGITS
     if budget is not None:
         calibrate_budget(model, [ids.to(device) for ids, _ in
                                  build_batches(config).calibration(8)], budget)
     # Every routed layer: the layer that routes the needle differs between seeds.
     nats_layers = [i for i, t in enumerate(model.config.layer_types) if t == "nats"]
     whole = {group: [0, 0] for group in ("inside", "cut")}
+    answered_distractor = [0, 0]  # misses whose answer is a distractor's value, misses
     by_tokens: dict[int, list[int]] = defaultdict(lambda: [0, 0])
     patterns = {group: defaultdict(lambda: defaultdict(lambda: [0, 0]))
                 for group in ("inside", "cut")}
@@ -65,13 +80,14 @@ def analyse(run: str, rows: int, budget: float | None, device: torch.device) -> 
         ids, labels = ids.to(device), labels.to(device)
         with autocast:
             out = model(ids)
-        answers = out.logits[:, :-1].argmax(-1)[:, -task.VALUE_DIGITS:]
-        solved = (answers == labels[:, -task.VALUE_DIGITS:]).all(1).tolist()
+        answers = out.logits[:, :-1].argmax(-1)[:, -digits:]
+        solved = (answers == labels[:, -digits:]).all(1).tolist()
         marked = task.relevant_positions(ids, labels)
         start, end = (bound.tolist() for bound in span_bounds(marked))
         # Per layer [B, N, H] (the last chunk has no route, so N is one short of the row's).
         sm = {i: (out.routes[i][:, :-1, :, SOFTMAX] > 0.5).tolist() for i in nats_layers}
-        for b, ok in enumerate(solved):
+        rows_of_batch = zip(solved, ids.tolist(), answers.tolist(), strict=True)
+        for b, (ok, row, answer) in enumerate(rows_of_batch):
             c0, c1 = start[b] // c, end[b] // c
             group = "inside" if c0 == c1 else "cut"
             whole[group][0] += ok
@@ -79,15 +95,26 @@ def analyse(run: str, rows: int, budget: float | None, device: torch.device) -> 
             if c0 != c1:
                 by_tokens[c - start[b] % c][0] += ok
                 by_tokens[c - start[b] % c][1] += 1
+            others = [s for s in _needles(row, task.filler_tokens.start, width) if s != start[b]]
+            if not ok:
+                values = [row[s + width - digits:s + width] for s in others]
+                answered_distractor[0] += answer in values
+                answered_distractor[1] += 1
             for layer, on_sm in sm.items():
-                if c1 >= len(on_sm[b]):
+                if max([c1] + [(s + width - 1) // c for s in others]) >= len(on_sm[b]):
                     continue
                 for h in range(len(on_sm[b][c0])):
                     key = "+".join("SM" if on_sm[b][i][h] else "LA" for i in sorted({c0, c1}))
+                    if distractors:
+                        whole_sm = sum(all(on_sm[b][i][h]
+                                           for i in range(s // c, (s + width - 1) // c + 1))
+                                       for s in others)
+                        key += f" d{whole_sm}/{distractors}"
                     patterns[group][layer, h][key][0] += ok
                     patterns[group][layer, h][key][1] += 1
-    return {"run": run, "calibrated_budget": budget, "chunk_size": c,
-            "seq_len": config.seq_len, **whole,
+    return {"run": run, "calibrated_budget": budget, "distractors": distractors,
+            "chunk_size": c, "seq_len": config.seq_len, **whole,
+            "misses_answering_a_distractor": answered_distractor,
             "cut_by_tokens_in_first_chunk": dict(sorted(by_tokens.items())),
             "nats_layers": nats_layers,
             **{f"{group}_routes": {f"layer{layer} head{h}": dict(sorted(p.items()))
@@ -102,6 +129,8 @@ def main() -> None:
                         help="test rows (rounded up to whole batches)")
     parser.add_argument("--calibrate-budget", type=float, default=None, metavar="F",
                         help="route F of the chunks in every budgeted layer, in (0, 1)")
+    parser.add_argument("--distractors", type=int, default=0, metavar="D",
+                        help="more needles with other keys in every row (default 0)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args()
@@ -109,15 +138,20 @@ def main() -> None:
         parser.error(f"--rows must be a positive integer, got {args.rows}")
     if args.calibrate_budget is not None and not 0 < args.calibrate_budget < 1:
         parser.error(f"--calibrate-budget must be in (0, 1), got {args.calibrate_budget}")
+    if args.distractors < 0:
+        parser.error(f"--distractors must be 0 or more, got {args.distractors}")
     device = resolve_device(args.device)
     results = []
     for run in args.runs:
         try:
-            r = analyse(run, args.rows, args.calibrate_budget, device)
+            r = analyse(run, args.rows, args.calibrate_budget, device, args.distractors)
         except (ValueError, OSError) as error:  # not a run, or a model that cannot calibrate
             raise SystemExit(f"needle_cut: {run}: {error}") from None
         results.append(r)
         print(f"{run}: inside one chunk {_ratio(r['inside'])}, cut {_ratio(r['cut'])}")
+        if args.distractors:
+            print("  misses answering a distractor's value: "
+                  + _ratio(r["misses_answering_a_distractor"]))
         print("  cut, by the needle's tokens in its first chunk: " + ", ".join(
             f"{k}: {_ratio(v)}" for k, v in r["cut_by_tokens_in_first_chunk"].items()))
         for group, what in (("inside", "the needle's chunk"), ("cut", "the two chunks")):

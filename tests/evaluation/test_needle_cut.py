@@ -1,6 +1,7 @@
 """``experiments/needle_cut.py``: its split of needles (inside one chunk or cut by a
 boundary, by the cut needle's tokens in its first chunk, by how every NAtS-L layer's
-heads routed the needle's chunks) against a plain recount of the same rows."""
+heads routed the needle's chunks and the distractors', the misses that answer a
+distractor) against a plain recount of the same rows."""
 
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ ROWS = 48
 
 class _AnswersEvenRows(torch.nn.Module):
     """The run's model, with its logits set to the right answer on even rows (the answer is
-    the row's last 7 tokens) and every layer's routes drawn at random (seeded by the batch
-    and the layer), so whole answers and route patterns differ between rows and every count is
-    tested, not only zeros and one pattern."""
+    the row's last 7 tokens), to the value of the row's first needle on rows 1 of every 4
+    (a distractor's where that needle is one) and every layer's routes drawn at random
+    (seeded by the batch and the layer), so whole answers and route patterns differ between
+    rows and every count is tested, not only zeros and one pattern."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
@@ -38,8 +40,12 @@ class _AnswersEvenRows(torch.nn.Module):
     def forward(self, ids: torch.Tensor):
         out = self.model(ids)
         logits = out.logits.clone()
-        right = torch.nn.functional.one_hot(ids[::2, -7:], logits.shape[-1]).to(logits.dtype)
-        logits[::2, -8:-1] = 1e4 * right
+        answer = ids[:, -7:].clone()
+        for b in range(1, len(ids), 4):  # the first 7 digits of the row: its first value
+            answer[b] = ids[b, :-10][ids[b, :-10] < 10][:7]
+        right = torch.nn.functional.one_hot(answer, logits.shape[-1]).to(logits.dtype)
+        logits[::2, -8:-1] = 1e4 * right[::2]
+        logits[1::4, -8:-1] = 1e4 * right[1::4]
         drawn = []
         for layer, routes in enumerate(out.routes):
             routes = routes.clone()
@@ -66,21 +72,37 @@ def _needle_start(row: list[int], width: int) -> int:
     return next(i for i in range(len(row) - width) if row[i:i + width] == question)
 
 
-def _recount(run: Path, rows: int) -> dict:
+def _key_starts(row: list[int], task) -> list[int]:
+    """Where a key begins in the row's body: a key token after anything but a key token."""
+    keys = task.key_tokens
+    body = row[:-(task.key_len + 7)]
+    return [i for i, t in enumerate(body) if t in keys and (i == 0 or body[i - 1] not in keys)]
+
+
+def _recount(run: Path, rows: int, distractors: int) -> dict:
     loaded = load_model(run)
     model = _AnswersEvenRows(loaded.model.eval())
-    config = loaded.train_config.replace(needle_distractors=0, needle_haystack="text",
+    config = loaded.train_config.replace(needle_distractors=distractors,
+                                         needle_haystack="text",
                                          eval_seed=common.TEST_EVAL_SEED)
-    c, width = model.config.chunk_size, config.synthetic_task().key_len + 7
-    want = {"inside": [0, 0], "cut": [0, 0]}
+    task = config.synthetic_task()
+    c, width = model.config.chunk_size, task.key_len + 7
+    want = {"inside": [0, 0], "cut": [0, 0], "misses_answering_a_distractor": [0, 0]}
     tokens: dict[int, list[int]] = defaultdict(lambda: [0, 0])
     routes = {g: defaultdict(lambda: defaultdict(lambda: [0, 0])) for g in ("inside", "cut")}
     with torch.no_grad():
         for ids, _ in build_batches(config).eval(-(-rows // config.batch_size)):
             out = model(ids)
             for b, row in enumerate(ids.tolist()):
-                ok = int(out.logits[b, -8:-1].argmax(-1).tolist() == row[-7:])
+                answer = out.logits[b, -8:-1].argmax(-1).tolist()
+                ok = int(answer == row[-7:])
                 first = _needle_start(row, width)
+                others = [s for s in _key_starts(row, task) if s != first]
+                assert len(others) == distractors
+                if not ok:
+                    want["misses_answering_a_distractor"][0] += any(
+                        answer == row[s + width - 7:s + width] for s in others)
+                    want["misses_answering_a_distractor"][1] += 1
                 chunks = sorted({first // c, (first + width - 1) // c})
                 group = "inside" if len(chunks) == 1 else "cut"
                 want[group][0] += ok
@@ -89,11 +111,16 @@ def _recount(run: Path, rows: int) -> dict:
                     tokens[c - first % c][0] += ok
                     tokens[c - first % c][1] += 1
                 for layer, r in enumerate(out.routes):
-                    if chunks[-1] >= r.shape[1] - 1:  # the row's last chunk has no route
+                    last = max([first, *others]) + width - 1
+                    if last // c >= r.shape[1] - 1:  # the row's last chunk has no route
                         continue
                     for h in range(r.shape[2]):
                         key = "+".join("SM" if r[b, i, h, SOFTMAX] > 0.5 else "LA"
                                        for i in chunks)
+                        if distractors:
+                            on = sum(bool((r[b, s // c:(s + width - 1) // c + 1, h, SOFTMAX]
+                                           > 0.5).all()) for s in others)
+                            key += f" d{on}/{distractors}"
                         routes[group][f"layer{layer} head{h}"][key][0] += ok
                         routes[group][f"layer{layer} head{h}"][key][1] += 1
     want["cut_by_tokens_in_first_chunk"] = dict(tokens)
@@ -102,7 +129,9 @@ def _recount(run: Path, rows: int) -> dict:
     return want
 
 
-def test_the_split_of_needles_matches_a_plain_recount(run: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("distractors", [0, 2])
+def test_the_split_of_needles_matches_a_plain_recount(run: Path, monkeypatch,
+                                                      distractors: int) -> None:
     real_load = needle_cut.load_model
 
     def load_answering(source, device) -> LoadedModel:
@@ -110,17 +139,23 @@ def test_the_split_of_needles_matches_a_plain_recount(run: Path, monkeypatch) ->
         return dataclasses.replace(loaded, model=_AnswersEvenRows(loaded.model))
 
     monkeypatch.setattr(needle_cut, "load_model", load_answering)
-    got = needle_cut.analyse(str(run), ROWS, None, torch.device("cpu"))
-    want = _recount(run, ROWS)
+    got = needle_cut.analyse(str(run), ROWS, None, torch.device("cpu"), distractors)
+    want = _recount(run, ROWS, distractors)
     # The rows hold both kinds of needle, both outcomes and every route, so no count is
     # vacuous and a swapped pair of chunks would show.
     assert want["inside"][1] > 0 and want["cut"][1] > 0
     assert 0 < want["inside"][0] + want["cut"][0] < ROWS
     n_layers = len(got["nats_layers"])
     assert n_layers >= 2 and len(want["inside_routes"]) == n_layers * 2  # two heads a layer
-    for head in want["inside_routes"]:
-        assert set(want["inside_routes"][head]) == {"SM", "LA"}
-        assert set(want["cut_routes"][head]) == {"SM+SM", "SM+LA", "LA+SM", "LA+LA"}
+    misses = want["misses_answering_a_distractor"]
+    if distractors:  # some misses answer a distractor, some do not
+        assert 0 < misses[0] < misses[1]
+        assert all(" d" in key for p in want["inside_routes"].values() for key in p)
+    else:
+        assert misses[0] == 0 < misses[1]
+        for head in want["inside_routes"]:
+            assert set(want["inside_routes"][head]) == {"SM", "LA"}
+            assert set(want["cut_routes"][head]) == {"SM+SM", "SM+LA", "LA+SM", "LA+LA"}
     for key, value in want.items():
         assert got[key] == value, key
     assert got["nats_layers"] == list(range(n_layers)) and got["chunk_size"] == 16
