@@ -20,6 +20,12 @@ given more share keep both parts of a cut needle?
 test slices with distractors): each route pattern then also says how many distractors went
 whole to softmax (``SM d2/2``), and the missed answers that are a distractor's value are
 counted: a model that answers a distractor read a needle but matched the wrong key.
+
+Every wrong digit of a missed answer is also checked for two slips, each against the count
+that wrong digits drawn at random would give: the digit that follows the answer's previous
+token (the right previous digit, or the key's last token) somewhere else in the row, as
+an induction head that matched the wrong occurrence would copy (with distractors: in
+one of them), and a neighbour of the right digit in the needle (a slip of position).
 """
 
 from __future__ import annotations
@@ -55,6 +61,28 @@ def _needles(row: list[int], filler_start: int, width: int) -> list[int]:
     return marked[::width]
 
 
+def _slips(row: list[int], answer: list[int], start: int, width: int) -> list[float]:
+    """``[wrong digits, successor slips, expected by chance, neighbour slips, expected]``
+    of one answer (see the module's docstring); ``start`` is where the right needle begins."""
+    digits = len(answer)
+    value, body = row[-digits:], row[:-width]
+    out = [0.0] * 5
+    for i, (got, want) in enumerate(zip(answer, value, strict=True)):
+        if got == want:
+            continue
+        prev = row[len(row) - digits - 1 + i]  # the token the model read before digit i
+        elsewhere = {body[j + 1] for j in range(len(body) - 1)
+                     if body[j] == prev and not start <= j + 1 < start + width}
+        neighbours = {value[k] for k in (i - 1, i + 1) if 0 <= k < digits}
+        wrong = set(range(1 if i == 0 else 0, 10)) - {want}  # the first digit is not 0
+        out[0] += 1
+        out[1] += got in elsewhere
+        out[2] += len(elsewhere & wrong) / len(wrong)
+        out[3] += got in neighbours
+        out[4] += len(neighbours & wrong) / len(wrong)
+    return out
+
+
 def analyse(run: str, rows: int, budget: float | None, device: torch.device,
             distractors: int = 0) -> dict:
     loaded = load_model(run, device)
@@ -72,6 +100,7 @@ def analyse(run: str, rows: int, budget: float | None, device: torch.device,
     nats_layers = [i for i, t in enumerate(model.config.layer_types) if t == "nats"]
     whole = {group: [0, 0] for group in ("inside", "cut")}
     answered_distractor = [0, 0]  # misses whose answer is a distractor's value, misses
+    slips = [0.0] * 5  # summed over the misses, as _slips returns them
     by_tokens: dict[int, list[int]] = defaultdict(lambda: [0, 0])
     patterns = {group: defaultdict(lambda: defaultdict(lambda: [0, 0]))
                 for group in ("inside", "cut")}
@@ -100,6 +129,8 @@ def analyse(run: str, rows: int, budget: float | None, device: torch.device,
                 values = [row[s + width - digits:s + width] for s in others]
                 answered_distractor[0] += answer in values
                 answered_distractor[1] += 1
+                slips = [x + y for x, y in zip(slips, _slips(row, answer, start[b], width),
+                                               strict=True)]
             for layer, on_sm in sm.items():
                 if max([c1] + [(s + width - 1) // c for s in others]) >= len(on_sm[b]):
                     continue
@@ -115,6 +146,9 @@ def analyse(run: str, rows: int, budget: float | None, device: torch.device,
     return {"run": run, "calibrated_budget": budget, "distractors": distractors,
             "chunk_size": c, "seq_len": config.seq_len, **whole,
             "misses_answering_a_distractor": answered_distractor,
+            "wrong_digits": int(slips[0]),
+            "slips_to_a_successor_elsewhere": {"seen": int(slips[1]), "by_chance": slips[2]},
+            "slips_to_a_neighbour": {"seen": int(slips[3]), "by_chance": slips[4]},
             "cut_by_tokens_in_first_chunk": dict(sorted(by_tokens.items())),
             "nats_layers": nats_layers,
             **{f"{group}_routes": {f"layer{layer} head{h}": dict(sorted(p.items()))
@@ -152,6 +186,11 @@ def main() -> None:
         if args.distractors:
             print("  misses answering a distractor's value: "
                   + _ratio(r["misses_answering_a_distractor"]))
+        print(f"  {r['wrong_digits']} wrong digits; slips to the previous token's successor "
+              "elsewhere {seen} (by chance {by_chance:.1f}), to a neighbour {n} (by chance "
+              "{n_chance:.1f})".format(**r["slips_to_a_successor_elsewhere"],
+                                       n=r["slips_to_a_neighbour"]["seen"],
+                                       n_chance=r["slips_to_a_neighbour"]["by_chance"]))
         print("  cut, by the needle's tokens in its first chunk: " + ", ".join(
             f"{k}: {_ratio(v)}" for k, v in r["cut_by_tokens_in_first_chunk"].items()))
         for group, what in (("inside", "the needle's chunk"), ("cut", "the two chunks")):

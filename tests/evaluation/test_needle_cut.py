@@ -79,6 +79,27 @@ def _key_starts(row: list[int], task) -> list[int]:
     return [i for i, t in enumerate(body) if t in keys and (i == 0 or body[i - 1] not in keys)]
 
 
+def _count_slips(slips: dict, row: list[int], answer: list[int], first: int,
+                 width: int) -> None:
+    """Add one missed answer's wrong digits to ``slips``, position by position: the token
+    read before answer digit ``i`` is the row's ``len - 8 + i``-th."""
+    n = len(row)
+    value = row[n - 7:]
+    for i in range(7):
+        if answer[i] == value[i]:
+            continue
+        read = row[n - 8 + i]
+        after = [row[j + 1] for j in range(n - width - 1)
+                 if row[j] == read and (j + 1 < first or j + 1 >= first + width)]
+        near = [value[k] for k in range(7) if abs(k - i) == 1]
+        pool = [d for d in range(10) if d != value[i] and (d > 0 or i > 0)]
+        slips["wrong"] += 1
+        slips["successor"] += answer[i] in after
+        slips["successor_chance"] += sum(d in after for d in pool) / len(pool)
+        slips["neighbour"] += answer[i] in near
+        slips["neighbour_chance"] += sum(d in near for d in pool) / len(pool)
+
+
 def _recount(run: Path, rows: int, distractors: int) -> dict:
     loaded = load_model(run)
     model = _AnswersEvenRows(loaded.model.eval())
@@ -88,6 +109,8 @@ def _recount(run: Path, rows: int, distractors: int) -> dict:
     task = config.synthetic_task()
     c, width = model.config.chunk_size, task.key_len + 7
     want = {"inside": [0, 0], "cut": [0, 0], "misses_answering_a_distractor": [0, 0]}
+    slips = {"wrong": 0, "successor": 0, "successor_chance": 0.0, "neighbour": 0,
+             "neighbour_chance": 0.0}
     tokens: dict[int, list[int]] = defaultdict(lambda: [0, 0])
     routes = {g: defaultdict(lambda: defaultdict(lambda: [0, 0])) for g in ("inside", "cut")}
     with torch.no_grad():
@@ -103,6 +126,7 @@ def _recount(run: Path, rows: int, distractors: int) -> dict:
                     want["misses_answering_a_distractor"][0] += any(
                         answer == row[s + width - 7:s + width] for s in others)
                     want["misses_answering_a_distractor"][1] += 1
+                    _count_slips(slips, row, answer, first, width)
                 chunks = sorted({first // c, (first + width - 1) // c})
                 group = "inside" if len(chunks) == 1 else "cut"
                 want[group][0] += ok
@@ -124,6 +148,11 @@ def _recount(run: Path, rows: int, distractors: int) -> dict:
                         routes[group][f"layer{layer} head{h}"][key][0] += ok
                         routes[group][f"layer{layer} head{h}"][key][1] += 1
     want["cut_by_tokens_in_first_chunk"] = dict(tokens)
+    want["wrong_digits"] = slips["wrong"]
+    want["slips_to_a_successor_elsewhere"] = {"seen": slips["successor"],
+                                              "by_chance": slips["successor_chance"]}
+    want["slips_to_a_neighbour"] = {"seen": slips["neighbour"],
+                                    "by_chance": slips["neighbour_chance"]}
     for group, heads in routes.items():
         want[f"{group}_routes"] = {h: dict(p) for h, p in heads.items()}
     return want
@@ -148,8 +177,11 @@ def test_the_split_of_needles_matches_a_plain_recount(run: Path, monkeypatch,
     n_layers = len(got["nats_layers"])
     assert n_layers >= 2 and len(want["inside_routes"]) == n_layers * 2  # two heads a layer
     misses = want["misses_answering_a_distractor"]
+    # Some wrong digits are slips of each kind, some are not.
+    assert 0 < want["slips_to_a_neighbour"]["seen"] < want["wrong_digits"]
     if distractors:  # some misses answer a distractor, some do not
         assert 0 < misses[0] < misses[1]
+        assert 0 < want["slips_to_a_successor_elsewhere"]["seen"] < want["wrong_digits"]
         assert all(" d" in key for p in want["inside_routes"].values() for key in p)
     else:
         assert misses[0] == 0 < misses[1]
@@ -157,5 +189,8 @@ def test_the_split_of_needles_matches_a_plain_recount(run: Path, monkeypatch,
             assert set(want["inside_routes"][head]) == {"SM", "LA"}
             assert set(want["cut_routes"][head]) == {"SM+SM", "SM+LA", "LA+SM", "LA+LA"}
     for key, value in want.items():
-        assert got[key] == value, key
+        if key.startswith("slips_"):  # the chance counts sum fractions in another order
+            assert got[key] == pytest.approx(value), key
+        else:
+            assert got[key] == value, key
     assert got["nats_layers"] == list(range(n_layers)) and got["chunk_size"] == 16
