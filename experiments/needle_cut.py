@@ -19,13 +19,15 @@ given more share keep both parts of a cut needle?
 ``--distractors D`` hides D more needles with other keys in every row (as ``needle.py``'s
 test slices with distractors): each route pattern then also says how many distractors went
 whole to softmax (``SM d2/2``), and the missed answers that are a distractor's value are
-counted: a model that answers a distractor read a needle but matched the wrong key.
+counted: a model that answers a distractor read a needle but matched the wrong key. A row
+any of whose needles reaches its last chunk is then left out of the patterns.
 
 Every wrong digit of a missed answer is also checked for two slips, each against the count
 that wrong digits drawn at random would give: the digit that follows the answer's previous
 token (the right previous digit, or the key's last token) somewhere else in the row, as
 an induction head that matched the wrong occurrence would copy (with distractors: in
 one of them), and a neighbour of the right digit in the needle (a slip of position).
+Only digits an answer could hold count on either side (no 0 first, no other token).
 """
 
 from __future__ import annotations
@@ -53,7 +55,6 @@ def _ratio(counts: list[int]) -> str:
     return f"{counts[0] / max(counts[1], 1):.3f} ({counts[0]}/{counts[1]})"
 
 
-@torch.no_grad()
 def _needles(row: list[int], filler_start: int, width: int) -> list[int]:
     """Where every needle of a row's body starts: keys and digits never occur in the
     haystack, so its non-filler tokens, in order, are the needles' ``width`` tokens each."""
@@ -71,18 +72,19 @@ def _slips(row: list[int], answer: list[int], start: int, width: int) -> list[fl
         if got == want:
             continue
         prev = row[len(row) - digits - 1 + i]  # the token the model read before digit i
-        elsewhere = {body[j + 1] for j in range(len(body) - 1)
-                     if body[j] == prev and not start <= j + 1 < start + width}
-        neighbours = {value[k] for k in (i - 1, i + 1) if 0 <= k < digits}
         wrong = set(range(1 if i == 0 else 0, 10)) - {want}  # the first digit is not 0
+        elsewhere = wrong & {body[j + 1] for j in range(len(body) - 1)
+                             if body[j] == prev and not start <= j + 1 < start + width}
+        neighbours = wrong & {value[k] for k in (i - 1, i + 1) if 0 <= k < digits}
         out[0] += 1
         out[1] += got in elsewhere
-        out[2] += len(elsewhere & wrong) / len(wrong)
+        out[2] += len(elsewhere) / len(wrong)
         out[3] += got in neighbours
-        out[4] += len(neighbours & wrong) / len(wrong)
+        out[4] += len(neighbours) / len(wrong)
     return out
 
 
+@torch.no_grad()
 def analyse(run: str, rows: int, budget: float | None, device: torch.device,
             distractors: int = 0) -> dict:
     loaded = load_model(run, device)

@@ -38,10 +38,11 @@ class _AnswersEvenRows(torch.nn.Module):
         self.model, self.config = model, model.config
 
     def forward(self, ids: torch.Tensor):
+        self.grad_enabled = torch.is_grad_enabled()
         out = self.model(ids)
         logits = out.logits.clone()
         answer = ids[:, -7:].clone()
-        for b in range(1, len(ids), 4):  # the first 7 digits of the row: its first value
+        for b in range(1, len(ids), 4):  # the row's first 7 digits (before the 10-token question)
             answer[b] = ids[b, :-10][ids[b, :-10] < 10][:7]
         right = torch.nn.functional.one_hot(answer, logits.shape[-1]).to(logits.dtype)
         logits[::2, -8:-1] = 1e4 * right[::2]
@@ -79,24 +80,26 @@ def _key_starts(row: list[int], task) -> list[int]:
     return [i for i, t in enumerate(body) if t in keys and (i == 0 or body[i - 1] not in keys)]
 
 
-def _count_slips(slips: dict, row: list[int], answer: list[int], first: int,
+def _count_slips(slips: dict, row: list[int], answer: list[int], others: list[int],
                  width: int) -> None:
-    """Add one missed answer's wrong digits to ``slips``, position by position: the token
-    read before answer digit ``i`` is the row's ``len - 8 + i``-th."""
-    n = len(row)
-    value = row[n - 7:]
+    """Add one missed answer's wrong digits to ``slips``. Keys and digits occur only in
+    needles, so a token read before an answer digit recurs outside the right needle only
+    in a distractor (``others``: where each starts), whose tokens are walked one by one."""
+    value = row[-7:]
     for i in range(7):
         if answer[i] == value[i]:
             continue
-        read = row[n - 8 + i]
-        after = [row[j + 1] for j in range(n - width - 1)
-                 if row[j] == read and (j + 1 < first or j + 1 >= first + width)]
-        near = [value[k] for k in range(7) if abs(k - i) == 1]
+        read = row[-8 + i]  # the key's last token, or the right digit before
         pool = [d for d in range(10) if d != value[i] and (d > 0 or i > 0)]
+        after = set()
+        for s in others:
+            walk = row[s:s + width + 1]  # the distractor and the token after it
+            after |= {walk[j + 1] for j in range(width) if walk[j] == read}
+        near = {value[k] for k in range(7) if abs(k - i) == 1}
         slips["wrong"] += 1
-        slips["successor"] += answer[i] in after
+        slips["successor"] += answer[i] in after and answer[i] in pool
         slips["successor_chance"] += sum(d in after for d in pool) / len(pool)
-        slips["neighbour"] += answer[i] in near
+        slips["neighbour"] += answer[i] in near and answer[i] in pool
         slips["neighbour_chance"] += sum(d in near for d in pool) / len(pool)
 
 
@@ -126,7 +129,7 @@ def _recount(run: Path, rows: int, distractors: int) -> dict:
                     want["misses_answering_a_distractor"][0] += any(
                         answer == row[s + width - 7:s + width] for s in others)
                     want["misses_answering_a_distractor"][1] += 1
-                    _count_slips(slips, row, answer, first, width)
+                    _count_slips(slips, row, answer, others, width)
                 chunks = sorted({first // c, (first + width - 1) // c})
                 group = "inside" if len(chunks) == 1 else "cut"
                 want[group][0] += ok
@@ -163,12 +166,16 @@ def test_the_split_of_needles_matches_a_plain_recount(run: Path, monkeypatch,
                                                       distractors: int) -> None:
     real_load = needle_cut.load_model
 
+    models = []
+
     def load_answering(source, device) -> LoadedModel:
         loaded = real_load(source, device)
-        return dataclasses.replace(loaded, model=_AnswersEvenRows(loaded.model))
+        models.append(_AnswersEvenRows(loaded.model))
+        return dataclasses.replace(loaded, model=models[-1])
 
     monkeypatch.setattr(needle_cut, "load_model", load_answering)
     got = needle_cut.analyse(str(run), ROWS, None, torch.device("cpu"), distractors)
+    assert models[0].grad_enabled is False  # no autograd graph kept per batch
     want = _recount(run, ROWS, distractors)
     # The rows hold both kinds of needle, both outcomes and every route, so no count is
     # vacuous and a swapped pair of chunks would show.
@@ -179,10 +186,14 @@ def test_the_split_of_needles_matches_a_plain_recount(run: Path, monkeypatch,
     misses = want["misses_answering_a_distractor"]
     # Some wrong digits are slips of each kind, some are not.
     assert 0 < want["slips_to_a_neighbour"]["seen"] < want["wrong_digits"]
+    assert want["slips_to_a_neighbour"]["by_chance"] > 0
     if distractors:  # some misses answer a distractor, some do not
         assert 0 < misses[0] < misses[1]
         assert 0 < want["slips_to_a_successor_elsewhere"]["seen"] < want["wrong_digits"]
-        assert all(" d" in key for p in want["inside_routes"].values() for key in p)
+        assert want["slips_to_a_successor_elsewhere"]["by_chance"] > 0
+        seen = {key.split()[1] for group in ("inside_routes", "cut_routes")
+                for p in want[group].values() for key in p}
+        assert seen == {"d0/2", "d1/2", "d2/2"}
     else:
         assert misses[0] == 0 < misses[1]
         for head in want["inside_routes"]:
