@@ -101,13 +101,10 @@ def _train(args: argparse.Namespace) -> int:
         return {name: None if value is _NONE else tuple(value) if isinstance(value, list)
                 else value for name, value in values.items() if value is not None}
 
+    arch = None if args.arch is None else (args.arch, args.softmax_every)
     config = run_config(args.preset, given(args.train_fields), resume=args.resume,
-                        config_path=args.config)
-    if args.arch is not None:
-        from nats.trainers.config import with_architecture
-
-        config = with_architecture(config, args.arch, args.softmax_every)
-    config = config.replace(model=config.model.replace(**given(args.model_fields)))
+                        config_path=args.config, model_overrides=given(args.model_fields),
+                        arch=arch)
     result = train(config, resume=args.resume)
     if result.interrupted:
         print(f"nats: interrupted at step {result.step}; continue with: "

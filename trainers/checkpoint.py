@@ -103,6 +103,13 @@ def read_checkpoint_meta(path: str | Path) -> dict[str, Any]:
         raise CorruptCheckpoint(f"{path} cannot be read ({type(e).__name__}: {e})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"{path} is not a nats checkpoint ({FORMAT})")
+    step, config, optimizer = meta.get("step"), meta.get("config"), meta.get("optimizer")
+    if (not isinstance(step, int) or isinstance(step, bool) or step < 0
+            or not isinstance(config, dict) or not isinstance(optimizer, dict)
+            or not isinstance(optimizer.get("scalars"), dict)
+            or not isinstance(optimizer.get("param_groups"), list)):
+        raise CorruptCheckpoint(f"{path} has damaged metadata (its step, config or optimizer "
+                                "state is missing or of the wrong type)")
     return meta
 
 
@@ -155,6 +162,16 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module,
     if "digest" in meta and tensor_digest(tensors) != meta["digest"]:
         raise CorruptCheckpoint(f"{path} fails its digest: its tensor data changed after it "
                                 "was written")
+    try:
+        return _restore(meta, tensors, model, optimizer, path)
+    except (KeyError, TypeError, IndexError, RuntimeError) as e:  # well-formed, wrong inside
+        reason = " ".join(str(e).split())  # one line: load_state_dict lists every key
+        raise CorruptCheckpoint(f"{path} does not hold this run's state "
+                                f"({type(e).__name__}: {reason})") from None
+
+
+def _restore(meta: dict[str, Any], tensors: dict[str, torch.Tensor], model: torch.nn.Module,
+             optimizer: torch.optim.Optimizer, path: str | Path) -> Restored:
     model.load_state_dict({k.removeprefix("model/"): v for k, v in tensors.items()
                            if k.startswith("model/")})
     state: dict[int, dict[str, Any]] = {

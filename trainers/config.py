@@ -7,6 +7,7 @@ included), so a config saved beside the checkpoints is enough to resume or repea
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,8 +161,9 @@ class TrainConfig:
                 _fail(name, value, "an integer >= 0")
         for name in ("lr", "grad_clip", "budget_rate", "router_lr_scale"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                _fail(name, value, "a number > 0")
+            if (not isinstance(value, (int, float)) or isinstance(value, bool)
+                    or not 0 < value < math.inf):
+                _fail(name, value, "a finite number > 0")
         if not isinstance(self.weight_decay, (int, float)) or not self.weight_decay >= 0:
             _fail("weight_decay", self.weight_decay, "a number >= 0")
         for name in ("min_lr_ratio", "val_fraction", "reg_start", "route_explore",
@@ -305,8 +307,8 @@ class TrainConfig:
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         """Build from :meth:`to_dict` output; unknown keys are an error, not ignored."""
         reject_unknown_fields(cls, data)
-        if "model" not in data:
-            _fail("model", None, "a NatsConfig dict")
+        if not isinstance(data.get("model"), dict):
+            _fail("model", data.get("model"), "a NatsConfig dict")
         values = dict(data)
         values["model"] = NatsConfig.from_dict(values["model"])
         for name in TUPLE_FIELDS:
@@ -427,20 +429,31 @@ def config_from_file(path: str | Path, base: TrainConfig) -> TrainConfig:
 
 
 def run_config(preset_name: str, overrides: dict[str, Any], resume: bool,
-               config_path: str | None = None) -> TrainConfig:
+               config_path: str | None = None, model_overrides: dict[str, Any] | None = None,
+               arch: tuple[str, int] | None = None) -> TrainConfig:
     """The config of a run started or resumed from the command line.
 
     A new run is the preset (its model replaced or its whole config replaced by
     ``config_path``, see :func:`config_from_file`) with ``overrides``. Resuming takes the
     config saved in the newest checkpoint of the output folder (``overrides["out_dir"]``
-    or the preset's), so the preset need not be repeated, then applies ``overrides``
-    (e.g. more ``steps``).
+    or the preset's), or its ``train_config.json`` if it stopped before its first
+    checkpoint, so the preset need not be repeated, then applies ``overrides`` (e.g. more
+    ``steps``). ``arch`` (a baseline architecture and its ``softmax_every``) replaces the
+    model's mixers, then ``model_overrides`` its fields.
     """
     base = preset(preset_name)
     if config_path is not None:
         base = config_from_file(config_path, base)
-    out_dir = overrides.get("out_dir", base.out_dir)
+    out_dir = Path(overrides.get("out_dir", base.out_dir))
     found = newest_readable(out_dir) if resume else None
     if found is not None:
         base = TrainConfig.from_dict(found[1]["config"])
-    return base.replace(**overrides)
+    elif resume and (out_dir / "train_config.json").is_file():
+        # Stopped before its first checkpoint: start over with the run's own config.
+        base = config_from_file(out_dir / "train_config.json", base)
+    model = base.model
+    if arch is not None:
+        model = model.replace(layer_types=architecture_layers(arch[0], model.n_layers, arch[1]))
+    # Model and run overrides at once: a run field may only be valid with the new model
+    # (a text task with a larger vocabulary).
+    return base.replace(model=model.replace(**(model_overrides or {})), **overrides)

@@ -146,6 +146,9 @@ def _start_or_resume(config: TrainConfig, resume: bool, model: NatsForCausalLM,
             say(f"nats: warning: skipping {path.name}: {e}")
             skipped.append(path)
             continue
+        if restored.step > config.steps:
+            raise ValueError(f"cannot resume {path} at step {restored.step} for {config.steps} "
+                             f"steps: give --steps {restored.step} or more")
         say(f"nats: resuming from {path} at step {restored.step}")
         return restored.step
     raise ValueError(f"cannot resume {config.out_dir}: none of its {len(found)} checkpoints "

@@ -186,7 +186,7 @@ def test_a_signal_saves_a_checkpoint_and_resume_continues(tmp_path: Path,
     for line in proc.stdout:  # the handler is installed once this line is printed
         if line.startswith("nats: training"):
             break
-    second = _nats("train", "--resume", "--out", str(run), "--steps", "5")
+    second = _nats("train", "--resume", "--out", str(run), "--steps", "100000")
     assert second.returncode == 2
     assert second.stderr == f"nats: error: run folder {run} is in use by process {proc.pid}; " \
                             "wait for it to finish or choose another folder\n"

@@ -113,6 +113,62 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint(micro: MicroConfig, 
     assert newest.with_name(newest.name + ".corrupt").is_file()
 
 
+def _rewrite(path: Path, meta_change=None, tensor_change=None) -> None:
+    """Rewrite a checkpoint as another program might have: well-formed, wrong inside
+    (no digest, so only the contents can be wrong)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        header = f.metadata()
+    meta = json.loads(header["nats"])
+    meta.pop("digest")
+    tensors = load_file(str(path))
+    if meta_change:
+        meta_change(meta)
+    if tensor_change:
+        tensor_change(tensors)
+    save_file(tensors, str(path), metadata={**header, "nats": json.dumps(meta)})
+
+
+@pytest.mark.parametrize("damage", ["step a string", "no optimizer state", "config a number",
+                                    "no RNG state", "a tensor of the wrong shape"])
+def test_a_well_formed_checkpoint_with_wrong_contents_is_skipped(
+        micro: MicroConfig, capsys, damage: str) -> None:
+    """Damaged metadata or tensors that do not fit the model are a damaged checkpoint
+    (skipped for the older one with a one-line warning), not a traceback."""
+    from nats.trainers import train
+
+    config = micro(steps=4, checkpoint_interval=2, keep_checkpoints=2)
+    train(config)
+    newest = latest_checkpoint(config.out_dir)
+
+    def wrong_shape(tensors: dict) -> None:
+        key = next(k for k in tensors if k.startswith("model/"))
+        tensors[key] = torch.zeros(3)
+
+    meta_change, tensor_change = {
+        "step a string": (lambda m: m.update(step="4"), None),
+        "no optimizer state": (lambda m: m.pop("optimizer"), None),
+        "config a number": (lambda m: m.update(config=5), None),
+        "no RNG state": (None, lambda t: t.pop("rng/cpu")),
+        "a tensor of the wrong shape": (None, wrong_shape)}[damage]
+    _rewrite(newest, meta_change, tensor_change)
+    resumed = train(config.replace(steps=6), resume=True)
+    out = capsys.readouterr().out
+    warning = next(line for line in out.splitlines() if "warning: skipping" in line)
+    assert "step_00000004.safetensors" in warning
+    assert "resuming from" in out and "at step 2" in out and resumed.step == 6
+
+
+def test_resume_refuses_fewer_steps_than_the_checkpoint_holds(micro: MicroConfig) -> None:
+    from nats.trainers import train
+
+    config = micro(steps=4, checkpoint_interval=2)
+    train(config)
+    with pytest.raises(ValueError, match=r"at step 4 for 2 steps: give --steps 4 or more"):
+        train(config.replace(steps=2), resume=True)
+
+
 def test_resume_with_no_checkpoint_says_it_starts_over(micro: MicroConfig, capsys) -> None:
     from nats.trainers import train
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,6 +34,7 @@ def test_tiny_preset_is_a_small_nats_model() -> None:
     ({"warmup_steps": -1}, "warmup_steps", "integer >= 0"),
     ({"lr": 0.0}, "lr", "number > 0"),
     ({"lr": float("nan")}, "lr", "number > 0"),
+    ({"lr": float("inf")}, "lr", "finite number > 0"),
     ({"min_lr_ratio": 1.5}, "min_lr_ratio", "[0, 1]"),
     ({"weight_decay": -0.1}, "weight_decay", ">= 0"),
     ({"device": "gpu"}, "device", "'cuda:N'"),
@@ -73,6 +75,8 @@ def test_from_dict_rejects_unknown_fields_and_bad_models(micro: MicroConfig) -> 
         TrainConfig.from_dict({**data, "model": {**data["model"], "chunk_size": 3}})
     with pytest.raises(ConfigError, match=r"unknown preset 'huge'.*tiny"):
         preset("huge")
+    with pytest.raises(ConfigError, match=r"TrainConfig\.model = 5 .*NatsConfig dict"):
+        TrainConfig.from_dict({**data, "model": 5})
 
 
 def test_run_config_resumes_with_the_saved_config(micro: MicroConfig) -> None:
@@ -89,3 +93,27 @@ def test_run_config_resumes_with_the_saved_config(micro: MicroConfig) -> None:
     resumed = run_config("tiny", {"out_dir": saved.out_dir, "steps": 9}, resume=True)
     assert resumed == saved.replace(steps=9) and resumed.model != model_config
     assert run_config("tiny", {"out_dir": saved.out_dir}, resume=False).seq_len == 17
+
+
+def test_run_config_resumes_a_run_stopped_before_its_first_checkpoint(
+        micro: MicroConfig) -> None:
+    """Killed before its first checkpoint, a run's only record of its config is its
+    ``train_config.json``: resuming starts over with that, not with the preset."""
+    saved = micro(seq_len=49, lr=0.005, seed=4)
+    out = Path(saved.out_dir)
+    out.mkdir(parents=True)
+    (out / "train_config.json").write_text(json.dumps(saved.to_dict()))
+    resumed = run_config("tiny", {"out_dir": saved.out_dir, "steps": 9}, resume=True)
+    assert resumed == saved.replace(steps=9)
+    assert run_config("tiny", {"out_dir": saved.out_dir}, resume=False).seq_len == 17
+
+
+def test_run_config_applies_model_and_run_overrides_together() -> None:
+    """A text task needs 256 symbols: valid with ``--vocab-size 256`` given beside it,
+    whatever the preset's vocabulary; the architecture replaces the mixers first."""
+    config = run_config("tiny", {"task": "text"}, resume=False,
+                        model_overrides={"vocab_size": 256}, arch=("gdn", 2))
+    assert config.task == "text" and config.model.vocab_size == 256
+    assert set(config.model.layer_types) == {"linear"}
+    with pytest.raises(ConfigError, match="at least 256"):
+        run_config("tiny", {"task": "text"}, resume=False)
