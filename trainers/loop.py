@@ -222,6 +222,11 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
         raise ValueError(f"TrainConfig.batch_size = {config.batch_size} is invalid: must be "
                          f"a multiple of {world.size} processes x grad_accum_steps = "
                          f"{config.grad_accum_steps}")
+    if world.size > 1 and (config.route_explore > 0 or config.model.sampler == "gumbel"):
+        # Every rank seeds alike, so each would draw the same noise for its own rows.
+        raise ValueError("route_explore > 0 and sampler = 'gumbel' are not supported with "
+                         "several processes yet: every process would draw the same routing "
+                         "noise; train them in one process (grad_accum_steps for the batch)")
     if config.cuda_graph:
         check_graphable(device, world)
     if config.compile and device.type == "cpu" and config.seq_len % config.model.chunk_size:

@@ -65,6 +65,22 @@ def test_two_processes_follow_the_single_process_run(micro: MicroConfig,
     assert len(list((tmp_path / "ddp").glob("events.out.tfevents.*"))) == 1
 
 
+@pytest.mark.parametrize("noise", [{"route_explore": 0.5}, {"sampler": "gumbel"}])
+def test_routing_noise_is_refused_across_processes(micro: MicroConfig, noise: dict) -> None:
+    """Every rank seeds alike, so each would draw the same routing noise for its rows:
+    refused in one line before anything is built, rather than trained quietly wrong."""
+    import contextlib
+
+    from nats.trainers.distributed import World
+    from nats.trainers.loop import _train
+
+    config = micro(route_explore=noise.get("route_explore", 0.0),
+                   model=micro().model.replace(sampler=noise.get("sampler", "argmax")))
+    with pytest.raises(ValueError, match="same routing noise"), contextlib.ExitStack() as hold:
+        _train(config, False, None, World(size=2), torch.device("cpu"), hold)
+    assert not Path(config.out_dir).exists()
+
+
 STOPPING_WORKER = """
 import json, os, sys
 from pathlib import Path
