@@ -333,18 +333,22 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
                     checkpoint = checkpoint_now()
                     saved_step = step
 
-        if saved_step != step:
-            checkpoint = checkpoint_now()
-        interrupted = step < config.steps
-        if interrupted:
-            if world.is_main:
-                tqdm.write(f"nats: interrupted at step {step}; checkpoint saved to {checkpoint}")
-        else:
-            log.hparams(config_dict, eval_metrics)
-            if world.is_main:
-                model.save_pretrained(out_dir / "model")
-                tqdm.write(f"nats: done, {step} steps in {time.perf_counter() - started:.1f} s; "
-                           f"model saved to {out_dir / 'model'}")
+            # Inside the handlers: a Ctrl-C now asks to stop, which the end of the run
+            # already does, instead of cutting the last checkpoint and the model short.
+            if saved_step != step:
+                checkpoint = checkpoint_now()
+            interrupted = step < config.steps
+            if interrupted:
+                if world.is_main:
+                    tqdm.write(f"nats: interrupted at step {step}; checkpoint saved to "
+                               f"{checkpoint}")
+            else:
+                log.hparams(config_dict, eval_metrics)
+                if world.is_main:
+                    model.save_pretrained(out_dir / "model")
+                    seconds = time.perf_counter() - started
+                    tqdm.write(f"nats: done, {step} steps in {seconds:.1f} s; model saved to "
+                               f"{out_dir / 'model'}")
     finally:
         log.close()  # also when the run diverges or a second Ctrl-C stops it
     return TrainResult(model, step, losses, eval_metrics, interrupted, checkpoint)

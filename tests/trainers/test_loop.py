@@ -62,6 +62,27 @@ def test_ctrl_c_then_resume_equals_an_uninterrupted_run(micro: MicroConfig,
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
 
 
+def test_ctrl_c_while_the_finished_run_saves_does_not_cut_the_save(
+        micro: MicroConfig, monkeypatch) -> None:
+    """A Ctrl-C that lands while the last checkpoint and the model are written asks the
+    run to stop, which it is doing: both are written whole and the run ends finished."""
+    save = NatsForCausalLM.save_pretrained
+
+    def pressed_while_saving(self, *args, **kwargs):
+        signal.raise_signal(signal.SIGINT)
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(NatsForCausalLM, "save_pretrained", pressed_while_saving)
+    config = micro(steps=2, checkpoint_interval=100)
+    try:
+        result = train(config)
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C cut the final save short")
+    assert not result.interrupted and result.step == 2
+    assert result.checkpoint.name == "step_00000002.safetensors"
+    assert NatsForCausalLM.from_pretrained(Path(config.out_dir) / "model") is not None
+
+
 def test_refuses_to_overwrite_a_run(micro: MicroConfig) -> None:
     config = micro(steps=1)
     train(config)
