@@ -478,9 +478,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = " ".join(str(e).split())
         print(f"nats: error: {message}", file=sys.stderr)
         return EXIT_USAGE
+    except (MemoryError, RuntimeError) as e:
+        if not _out_of_memory(e):
+            raise
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"nats: error: out of memory ({reason}); use a smaller batch, sequence or model",
+              file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print("nats: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an allocation that failed (on the CPU or a GPU), which the
+    sizes a user gave cause, rather than a defect."""
+    text = str(error)
+    return isinstance(error, MemoryError) or "out of memory" in text \
+        or "can't allocate memory" in text
 
 
 if __name__ == "__main__":

@@ -295,3 +295,32 @@ def test_model_and_training_fields_reach_the_run_config(tmp_path: Path, capsys) 
     err = capsys.readouterr().err
     assert err.startswith("nats: error: NatsConfig.branch_norm = 'rms' is invalid") and \
         err.count("\n") == 1
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+    RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate "
+                 "memory: you tried to allocate 25600000000 bytes"),
+    MemoryError()])
+def test_out_of_memory_is_one_line(monkeypatch, capsys, error: BaseException) -> None:
+    """Sizes a user gave that do not fit end in one line; any other RuntimeError is a
+    defect and keeps its traceback."""
+    import argparse
+
+    import nats.cli
+
+    def command_raising(raised: BaseException) -> None:
+        def run(args: argparse.Namespace) -> int:
+            raise raised
+
+        parsed = argparse.Namespace(func=run)
+        monkeypatch.setattr(nats.cli, "build_parser", lambda: argparse.Namespace(
+            parse_args=lambda argv: parsed))
+
+    command_raising(error)
+    assert main(["train"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nats: error: out of memory") and err.count("\n") == 1
+    command_raising(RuntimeError("shape mismatch"))
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        main(["train"])
