@@ -328,7 +328,7 @@ def search_sections(report: Report, source: Path) -> str | None:
         columns, rows = front_table(view)
         report.add("Pareto front", _p("Every finished trial; the front joined and numbered "
                                       "as in the table; * and the red ring: the chosen "
-                                      "trial (best quality on the front), analysed below."),
+                                      "trial (the knee of the front), analysed below."),
                    embedded, html_table(columns, rows))
     else:
         report.add("Pareto front", _p("No trial finished with both objectives measured."))

@@ -24,7 +24,7 @@ class SearchView:
     results: Any
     """:class:`nats.search_spaces.results.SearchResults`."""
     chosen: int | None
-    """Row of the trial the search exports by default (the front's best quality)."""
+    """Row of the trial the search exports by default (the knee of the front)."""
     importances: dict[str, dict[str, float]] = field(default_factory=dict)
     """Objective key -> parameter -> importance (they sum to 1 per objective)."""
     importance_note: str = ""
@@ -74,6 +74,9 @@ def load_search_view(out: str | Path) -> SearchView:
         note = str(e)
     except (RuntimeError, ValueError) as e:  # e.g. every trial had the same parameters
         note = f"Optuna could not rank the parameters: {' '.join(str(e).split())}"
+    except Exception as e:  # a database storage: SQLAlchemy, drivers, an empty study
+        note = (f"the study could not be read ({type(e).__name__}: "
+                f"{' '.join(str(e).split())[:200]}); importances not available")
     return SearchView(out, results, chosen, importances, note)
 
 

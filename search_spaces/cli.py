@@ -89,7 +89,7 @@ def add_search_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="keep the Optuna study in a database URL or a journal file "
                         "(optuna-dashboard reads either)")
     p.add_argument("--pick", metavar="N_OR_TRIAL",
-                   help="export front entry #N (or a trial id) instead of the best quality")
+                   help="export front entry #N (or a trial id) instead of the knee")
     p.set_defaults(func=search_command)
     return p
 
@@ -214,6 +214,11 @@ def search_command(args: argparse.Namespace) -> int:
     storage = args.optuna_storage
     if storage is not None and "://" not in storage:
         storage = str(Path(storage).resolve())
+    elif storage is not None and storage.startswith("sqlite:///") \
+            and not storage.startswith("sqlite:////"):
+        # A relative sqlite path would follow the working directory of each later
+        # command (--resume, analyze) and open a new, empty study there.
+        storage = "sqlite:///" + str(Path(storage.removeprefix("sqlite:///")).resolve())
     settings = make_settings(
         space, _base(args), quality=args.metric, cost=args.cost, objective=args.objective,
         context=args.context, latency_len=args.latency_len, num_trials=args.num_trials,

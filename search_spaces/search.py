@@ -96,6 +96,12 @@ class SearchSettings:
             raise ValueError(f"--time-budget {self.time_budget_s!r}: must be > 0 seconds")
         if self.quality == "bpb" and self.base.get("task") != "text":
             raise ValueError("--metric bpb needs task 'text' (bits per byte of a corpus)")
+        if self.asha and self.search_space().dim("steps") is not None:
+            # ASHA stops every trial at the base's steps (its max_t): a longer trial
+            # would never finish, and never reach the front.
+            raise ValueError(f"--asha cannot search 'steps' (space {self.space.get('name')!r}): "
+                             "ASHA stops every trial at the base's steps; fix the steps in "
+                             "the base or search without --asha")
 
     def search_space(self) -> SearchSpace:
         return space_from_dict(self.space, where=f"space {self.space.get('name')!r}")
@@ -567,6 +573,10 @@ def run_search(settings: SearchSettings, out: str | Path, *,
                               "choose another --out")
     if out.is_file():
         raise FileExistsError(f"--out {out} is a file, not a folder")
+    if out.is_dir() and any(out.iterdir()):
+        # The Tune state signed at the end covers every file in the folder: nothing may be
+        # there that this search did not write.
+        raise FileExistsError(f"--out {out} is not empty; choose a new or empty folder")
     settings = _storage_in_folder(settings, out)
     _check_storage(settings, out)
     from .folder_state import searching  # imports Ray and Optuna: after the quick checks

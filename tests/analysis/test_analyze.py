@@ -156,3 +156,21 @@ def test_search_report(run: Path, tmp_path: Path) -> None:
     (search / "optuna_study.journal").unlink()
     assert main(["analyze", str(search), "--out", str(tmp_path / "r2")]) == 0
     assert "Not available:" in (tmp_path / "r2" / "report.html").read_text()
+
+
+def test_a_search_report_with_an_unreadable_study_says_so(run: Path, tmp_path: Path,
+                                                          monkeypatch) -> None:
+    """A database storage that cannot be read (no driver, an empty study: SQLAlchemy's,
+    the drivers' and Optuna's own errors) leaves the importances out, not the report."""
+    from nats.search_spaces import search as search_module
+
+    search = tmp_path / "search"
+    _search_dir(run, search)
+
+    def unreadable(out):
+        raise KeyError("Record does not exist.")
+
+    monkeypatch.setattr(search_module, "load_study", unreadable)
+    assert main(["analyze", str(search), "--out", str(tmp_path / "r")]) == 0
+    page = (tmp_path / "r" / "report.html").read_text()
+    assert "the study could not be read (KeyError" in page and "<h1>Chosen trial t2</h1>" in page

@@ -454,3 +454,46 @@ def test_a_search_killed_before_ray_saved_anything_starts_again(tmp_path: Path, 
     assert main(["search", "--resume", str(out)]) == 0
     assert "starting the search again from its settings" in capsys.readouterr().out
     assert len(_check_consistent(out)["rows"]) == 1
+
+
+def test_asha_refuses_a_space_that_searches_the_steps() -> None:
+    """ASHA stops every trial at the base's steps, so a longer trial could never finish
+    and reach the front: refused when the settings are made."""
+    from nats.search_spaces.builtin import DEFAULT_BASE, DEFAULT_SPACE, search_base
+    from nats.search_spaces.spaces import load_space, space_from_dict
+
+    space = load_space(DEFAULT_SPACE)
+    steps = space_from_dict({**space.source, "name": "with-steps",
+                             "params": {**space.source["params"], "steps": [6, 12]}})
+    base = search_base(DEFAULT_BASE).replace(steps=6)
+    with pytest.raises(ValueError, match="--asha cannot search 'steps'"):
+        search.make_settings(steps, base, asha=True)
+    assert search.make_settings(steps, base).asha is False
+    assert search.make_settings(space, base, asha=True).asha is True
+
+
+def test_a_new_search_refuses_a_folder_that_holds_anything(tmp_path: Path, capsys) -> None:
+    """The Tune state signed when the search ends covers every file of the folder, so a
+    new search starts only in a new or empty one, before Ray starts."""
+    out = tmp_path / "out"
+    (out / "tune").mkdir(parents=True)
+    (out / "tune" / "searcher-state-9999.pkl").write_bytes(b"planted")
+    assert main(["search", *TINY, "--out", str(out)]) == 2
+    assert capsys.readouterr().err == f"nats: error: --out {out} is not empty; choose a new " \
+                                      "or empty folder\n"
+    assert sorted(p.name for p in out.rglob("*")) == ["searcher-state-9999.pkl", "tune"]
+
+
+def test_a_relative_sqlite_storage_is_made_absolute(tmp_path: Path, monkeypatch) -> None:
+    """`--optuna-storage sqlite:///study.db` names a file in the working directory of the
+    command that starts the search, not of each later `--resume` or `nats analyze`."""
+    from nats.search_spaces import cli
+
+    seen = {}
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "run_search", lambda settings, out, **kw: seen.update(
+        storage=settings.optuna_storage) or search.FitOutcome({}, False))
+    monkeypatch.setattr(cli, "_finish", lambda out, outcome, pick: 0)
+    assert main(["search", *TINY, "--out", str(tmp_path / "s"),
+                 "--optuna-storage", "sqlite:///study.db"]) == 0
+    assert seen["storage"] == f"sqlite:///{tmp_path / 'study.db'}"
