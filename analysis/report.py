@@ -323,6 +323,10 @@ def search_sections(report: Report, source: Path) -> str | None:
         f"{len(r.rows)} trials ({done} finished) of space {r.settings.space.get('name')!r}, "
         f"objectives {' and '.join(f'{k} ({m})' for k, m in zip(r.keys, r.modes, strict=True))}"
         f", cost at {r.settings.context} tokens."))
+    failed = [row for row in r.rows if row["status"] == "error"]
+    if failed:
+        report.add("Failed trials", _p("; ".join(
+            f"{row['trial_id']}: {row.get('error', '')}" for row in failed)))
     if r.front:
         embedded = report.embed(front_figure(view, report.out / "pareto.png"), "Pareto front")
         columns, rows = front_table(view)

@@ -7,12 +7,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from nats.folder_lock import exclusive
+
 from .builtin import BUILTIN_SPACES, DEFAULT_BASE, DEFAULT_SPACE, SEARCH_BASES, search_base
 from .objectives import COSTS, OBJECTIVES, QUALITY
 from .search import (
     SAMPLERS,
     SETTINGS_FILE,
     FitOutcome,
+    SearchSettings,
     make_settings,
     plain_ray_console,
     resume_search,
@@ -153,9 +156,10 @@ def _report(out: Path, errors: dict[str, str], pick_choice: str | None,
             export: bool = True) -> None:
     from nats.trainers.export import retrain_command
 
-    from .results import EXPORT_DIR, collect, export_pick, pick, table, write
+    from .results import EXPORT_DIR, collect, export_pick, pick, save_errors, table, write
 
-    results = collect(out, errors, finished=True)
+    save_errors(out, errors)
+    results = collect(out, finished=True)
     files = write(results, out)
     print(f"\nnats: {len(results.rows)} trials:")
     print(table(results))
@@ -196,7 +200,10 @@ def search_command(args: argparse.Namespace) -> int:
 
         done = (out / "results.csv").exists()
         if args.pick is not None or done:
-            _report(out, {}, args.pick, export=args.pick is not None)
+            SearchSettings.load(out)  # a search folder, before the lock would make one
+            # Writes the results and may export: not while a search runs in the folder.
+            with exclusive(out, "search folder"):
+                _report(out, {}, args.pick, export=args.pick is not None)
         else:
             results = collect(out)
             print(table(results))

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from nats.atomic_write import atomic_write_bytes
+from nats.model import read_json_object
 from nats.search_spaces.pareto import pareto_front, plot_front
 
 from .objectives import finite
@@ -23,6 +24,8 @@ from .spaces import MODEL_PARAMS
 
 RESULTS_CSV, FRONT_JSON, FRONT_PNG, EXPORT_DIR = ("results.csv", "pareto.json", "pareto.png",
                                                   "export")
+ERRORS_JSON = "errors.json"
+"""Trial id -> one-line error of the trials that failed after their retries."""
 
 
 @dataclass
@@ -66,13 +69,35 @@ def _wall_s(record: dict[str, Any]) -> float | None:
     return round(record["ended_at"] - record["started_at"], 1)
 
 
+def save_errors(out: str | Path, errors: dict[str, str]) -> None:
+    """Add the failures of a search's run to ``errors.json``: Tune's result grid, which
+    holds them, is gone once the command ends, and ``show`` or ``analyze`` must still
+    say which trials failed and why."""
+    if errors:
+        saved = {**load_errors(out), **errors}
+        atomic_write_bytes(Path(out) / ERRORS_JSON,
+                           json.dumps(saved, indent=1, sort_keys=True).encode())
+
+
+def load_errors(out: str | Path) -> dict[str, str]:
+    """Trial id -> error of every failure :func:`save_errors` recorded ({} if none)."""
+    path = Path(out) / ERRORS_JSON
+    if not path.is_file():
+        return {}
+    data = read_json_object(path)
+    return {str(k): str(v) for k, v in data.items()}
+
+
 def collect(out: str | Path, errors: dict[str, str] | None = None,
             finished: bool = False) -> SearchResults:
     """Read every trial of the search in ``out``. ``finished``: the search is over, so a
-    trial still marked running was stopped (ASHA, time budget)."""
+    trial still marked running was stopped (ASHA, time budget). ``errors`` (this run's
+    failures) and those recorded before (:func:`load_errors`) mark their trials failed,
+    a recorded one unless the trial has finished since (retried on ``--resume``)."""
     out = Path(out)
     settings = SearchSettings.load(out)
     errors = dict(errors or {})
+    recorded = load_errors(out)
     records = []
     for path in sorted((out / "trials").glob(f"*/{TRIAL_FILE}")):
         try:
@@ -80,7 +105,12 @@ def collect(out: str | Path, errors: dict[str, str] | None = None,
         except json.JSONDecodeError:
             continue  # being written by a running trial (writes are atomic: rare)
     records.sort(key=lambda r: r["trial_id"])
-    rows = [_row(r, errors.pop(r["trial_id"], None)) for r in records]
+    rows = []
+    for r in records:
+        before = recorded.pop(r["trial_id"], None)
+        rows.append(_row(r, errors.pop(r["trial_id"], None)
+                         or (before if r.get("status") != "done" else None)))
+    errors = {**recorded, **errors}
     rows += [{"trial_id": t, "status": "error", "error": e} for t, e in sorted(errors.items())]
     if finished:
         for row in rows:

@@ -4,6 +4,7 @@ search folder built as a search writes it; bad paths are one-line errors."""
 from __future__ import annotations
 
 import base64
+import csv
 import json
 import re
 import shutil
@@ -174,3 +175,44 @@ def test_a_search_report_with_an_unreadable_study_says_so(run: Path, tmp_path: P
     assert main(["analyze", str(search), "--out", str(tmp_path / "r")]) == 0
     page = (tmp_path / "r" / "report.html").read_text()
     assert "the study could not be read (KeyError" in page and "<h1>Chosen trial t2</h1>" in page
+
+
+def test_failed_trials_survive_show_and_analyze(run: Path, tmp_path: Path, capsys) -> None:
+    """A failure is known only to Tune's result grid while the search runs; recorded at its
+    end, it stays in `nats search show` (which rewrites results.csv) and the report, unless
+    the trial finished since (retried by --resume)."""
+    from nats.search_spaces.results import load_errors, save_errors
+
+    search = tmp_path / "search"
+    _search_dir(run, search)
+    record = search / "trials" / "t3" / "search_trial.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), "status": "running"}))
+    save_errors(search, {"t3": "CUDA error: an illegal memory access", "t9": "died at start"})
+    save_errors(search, {"t1": "retried later"})
+    assert load_errors(search) == {"t1": "retried later", "t3": "CUDA error: an illegal "
+                                   "memory access", "t9": "died at start"}
+    (search / "results.csv").write_text("")  # a finished search: show rewrites its results
+    assert main(["search", "show", str(search)]) == 0
+    err = capsys.readouterr().err
+    assert "trial t3 failed: CUDA error: an illegal memory access" in err
+    assert "trial t9 failed: died at start" in err and "t1" not in err
+    with open(search / "results.csv", newline="") as f:
+        status = {row["trial_id"]: row["status"] for row in csv.DictReader(f)}
+    assert status == {"t0": "done", "t1": "done", "t2": "done", "t3": "error", "t9": "error"}
+    assert main(["analyze", str(search), "--out", str(tmp_path / "r")]) == 0
+    assert "illegal memory access" in (tmp_path / "r" / "report.html").read_text()
+
+
+def test_show_does_not_rewrite_a_running_search(run: Path, tmp_path: Path, capsys) -> None:
+    """`nats search show DIR --pick N` writes results and exports: refused in one line while
+    a search holds the folder, and a folder that is no search is not made one."""
+    from nats.folder_lock import exclusive
+
+    search = tmp_path / "search"
+    _search_dir(run, search)
+    with exclusive(search, "search folder"):
+        assert main(["search", "show", str(search), "--pick", "1"]) == 2
+    assert "is in use by process" in capsys.readouterr().err
+    assert not (search / "results.csv").exists() and not (search / "export").exists()
+    assert main(["search", "show", str(tmp_path / "nothing"), "--pick", "1"]) == 2
+    assert not (tmp_path / "nothing").exists()
