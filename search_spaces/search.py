@@ -552,7 +552,24 @@ class FitOutcome:
     (Ctrl-C) and ``nats search --resume`` continues it."""
 
 
-def _outcome(grid: Any, settings: SearchSettings) -> FitOutcome:
+TIME_FILE = "search_time.json"
+"""Seconds the search's Tune runs have taken, summed over ``--resume``: Tune keeps its time
+budget across a restore, so this says whether the budget or a Ctrl-C ended a run."""
+
+
+def _timed_fit(out: Path, settings: SearchSettings, fit: Any, *, fresh: bool) -> FitOutcome:
+    """``fit()`` (a Tune run) and its outcome; ``fresh``: a run that starts Tune's budget
+    anew (a new search, or one restarted from its settings)."""
+    path = out / TIME_FILE
+    used = 0.0 if fresh or not path.is_file() else float(json.loads(path.read_text())["seconds"])
+    started = time.monotonic()
+    grid = fit()
+    used += time.monotonic() - started
+    atomic_write_bytes(path, json.dumps({"seconds": round(used, 3)}).encode())
+    return _outcome(grid, settings, used)
+
+
+def _outcome(grid: Any, settings: SearchSettings, used_s: float) -> FitOutcome:
     errors = {}
     for result in grid:
         if result.error is not None:
@@ -560,7 +577,10 @@ def _outcome(grid: Any, settings: SearchSettings) -> FitOutcome:
             errors[str(trial_id)] = " ".join(str(result.error).split())[:300]
     ended = len(grid) >= settings.num_trials and \
         grid.num_terminated + grid.num_errors == len(grid)
-    return FitOutcome(errors, ended or settings.time_budget_s is not None)
+    # Tune returns alike when its time budget runs out and on Ctrl-C: only the time taken
+    # (Tune counts from its first check, after the start, so never more) tells them apart.
+    budget_spent = settings.time_budget_s is not None and used_s >= settings.time_budget_s
+    return FitOutcome(errors, ended or budget_spent)
 
 
 def run_search(settings: SearchSettings, out: str | Path, *,
@@ -589,8 +609,8 @@ def run_search(settings: SearchSettings, out: str | Path, *,
             first = (settings.search_space().baseline_points(settings.base_config())
                      if settings.baselines else [])
             with searching(out):
-                return _with_ray(
-                    address, lambda: _outcome(_tuner(settings, out, first).fit(), settings))
+                return _with_ray(address, lambda: _timed_fit(
+                    out, settings, _tuner(settings, out, first).fit, fresh=True))
         finally:
             tune_state.sign(out / TUNE_NAME, out)
 
@@ -617,10 +637,10 @@ def resume_search(out: str | Path, *, address: str | None = None,
             # trials of the first start, if any, never reported and are not counted).
             print(f"nats: {out} holds no Ray Tune state yet: starting the search again "
                   "from its settings")
-            return _outcome(_tuner(settings, out).fit(), settings)
+            return _timed_fit(out, settings, _tuner(settings, out).fit, fresh=True)
         tuner = tune.Tuner.restore(str(path), trainable=_trainable(settings, out),
                                    resume_unfinished=True, resume_errored=True)
-        return _outcome(tuner.fit(), settings)
+        return _timed_fit(out, settings, tuner.fit, fresh=False)
 
     _check_storage(settings, out)
     with exclusive(out, "search folder"):

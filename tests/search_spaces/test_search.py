@@ -497,3 +497,27 @@ def test_a_relative_sqlite_storage_is_made_absolute(tmp_path: Path, monkeypatch)
     assert main(["search", *TINY, "--out", str(tmp_path / "s"),
                  "--optuna-storage", "sqlite:///study.db"]) == 0
     assert seen["storage"] == f"sqlite:///{tmp_path / 'study.db'}"
+
+
+def test_an_interrupted_search_with_a_time_budget_is_not_finished(tmp_path: Path, local_ray,
+                                                                   capsys) -> None:
+    """Tune returns alike when its time budget runs out and on Ctrl-C; a Ctrl-C long before
+    the budget leaves the search to `--resume`, not reported and exported as finished."""
+    out = tmp_path / "search"
+    _interrupt_at_the_second_trial(out, ["--time-budget", "3600"], capsys)
+    assert 0 < json.loads((out / search.TIME_FILE).read_text())["seconds"] < 3600
+
+
+def test_a_spent_time_budget_ends_the_search() -> None:
+    from nats.search_spaces.builtin import DEFAULT_BASE, DEFAULT_SPACE, search_base
+    from nats.search_spaces.spaces import load_space
+
+    class Grid(list):  # one trial still pending: the budget, not the trials, ended it
+        num_terminated, num_errors = 1, 0
+
+    settings = search.make_settings(load_space(DEFAULT_SPACE), search_base(DEFAULT_BASE),
+                                    num_trials=4, time_budget_s=60.0)
+    finished = type("Result", (), {"error": None, "metrics": {}, "path": "t"})()
+    grid = Grid([finished, finished])
+    assert search._outcome(grid, settings, 61.0).complete
+    assert not search._outcome(grid, settings, 59.0).complete
