@@ -180,9 +180,14 @@ def pick(results: SearchResults, choice: str | int | None = None) -> int:
         key, mode = results.settings.quality_key
         sign = 1.0 if mode == "min" else -1.0
         cost = results.settings.cost_key[0]
-        scores = {i: sign * results.rows[i].get(key, float("inf")) for i in results.front}
+        # A front by cost alone may hold trials without a finite quality: never the knee
+        # unless no trial has one.
+        scores = {i: sign * results.rows[i][key] for i in results.front
+                  if finite(results.rows[i].get(key))}
+        if not scores:
+            return min(results.front, key=lambda i: results.rows[i].get(cost, 0.0))
         best, worst = min(scores.values()), max(scores.values())
-        near = [i for i in results.front if scores[i] <= best + KNEE * (worst - best)]
+        near = [i for i in scores if scores[i] <= best + KNEE * (worst - best)]
         return min(near, key=lambda i: (results.rows[i].get(cost, 0.0), scores[i]))
     text = str(choice).lstrip("#")
     if text.isdigit():

@@ -521,3 +521,24 @@ def test_a_spent_time_budget_ends_the_search() -> None:
     grid = Grid([finished, finished])
     assert search._outcome(grid, settings, 61.0).complete
     assert not search._outcome(grid, settings, 59.0).complete
+
+
+def test_the_knee_is_the_cheapest_front_trial_near_the_best_quality() -> None:
+    """Quality within KNEE of the front's range from the best, then the cheapest; a front
+    trial without a finite quality (a front by cost alone) is never the knee unless no
+    trial has one."""
+    from nats.search_spaces.builtin import DEFAULT_BASE, DEFAULT_SPACE, search_base
+    from nats.search_spaces.results import KNEE, SearchResults, pick
+    from nats.search_spaces.spaces import load_space
+
+    settings = search.make_settings(load_space(DEFAULT_SPACE), search_base(DEFAULT_BASE))
+    (qk, qm), (ck, _) = settings.quality_key, settings.cost_key
+    sign = 1 if qm == "min" else -1
+    best, worst = 1.0, 2.0
+    qualities = [best, best + KNEE * 0.5 * (worst - best), worst, float("nan")]
+    rows = [{"trial_id": f"t{i}", "status": "done", qk: sign * q, ck: c}
+            for i, (q, c) in enumerate(zip(qualities, [10.0, 2.0, 1.0, 0.5], strict=True))]
+    results = SearchResults(settings, rows, [0, 1, 2, 3], [qk, ck], [qm, "min"])
+    assert pick(results) == 1
+    nan_only = SearchResults(settings, rows, [3], [qk, ck], [qm, "min"])
+    assert pick(nan_only) == 3
