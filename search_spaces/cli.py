@@ -13,7 +13,6 @@ from .builtin import BUILTIN_SPACES, DEFAULT_BASE, DEFAULT_SPACE, SEARCH_BASES, 
 from .objectives import COSTS, OBJECTIVES, QUALITY
 from .search import (
     SAMPLERS,
-    SETTINGS_FILE,
     FitOutcome,
     SearchSettings,
     make_settings,
@@ -120,10 +119,11 @@ def _base(args: argparse.Namespace):
 
 
 def default_out() -> Path:
-    """:data:`DEFAULT_OUT`, or the first ``DEFAULT_OUT-N`` that holds no search: running
-    the README's command again starts a new search instead of failing."""
+    """:data:`DEFAULT_OUT`, or the first ``DEFAULT_OUT-N`` that is absent or empty (a new
+    search needs one): running the README's command again starts a new search instead of
+    failing."""
     out, n = Path(DEFAULT_OUT), 2
-    while (out / SETTINGS_FILE).exists():
+    while out.exists() and (not out.is_dir() or any(out.iterdir())):
         out, n = Path(f"{DEFAULT_OUT}-{n}"), n + 1
     return out
 

@@ -155,7 +155,10 @@ def test_the_default_folder_moves_on_when_taken(tmp_path: Path, monkeypatch) -> 
     for taken in ("runs/search", "runs/search-2"):
         (tmp_path / taken).mkdir(parents=True)
         (tmp_path / taken / "search.json").write_text("{}")
+    (tmp_path / "runs/search-3").mkdir()  # empty: a new search may start there
     assert default_out() == Path("runs/search-3")
+    (tmp_path / "runs/search-3" / "notes.txt").write_text("not a search, not empty")
+    assert default_out() == Path("runs/search-4")
 
 
 def test_a_trial_whose_worker_dies_resumes_from_its_checkpoint(tmp_path: Path, local_ray,
