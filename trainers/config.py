@@ -451,9 +451,8 @@ def run_config(preset_name: str, overrides: dict[str, Any], resume: bool,
     elif resume and (out_dir / "train_config.json").is_file():
         # Stopped before its first checkpoint: start over with the run's own config.
         base = config_from_file(out_dir / "train_config.json", base)
-    model = base.model
     if arch is not None:
-        model = model.replace(layer_types=architecture_layers(arch[0], model.n_layers, arch[1]))
+        base = with_architecture(base, *arch)
     # Model and run overrides at once: a run field may only be valid with the new model
     # (a text task with a larger vocabulary).
-    return base.replace(model=model.replace(**(model_overrides or {})), **overrides)
+    return base.replace(model=base.model.replace(**(model_overrides or {})), **overrides)
