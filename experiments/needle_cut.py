@@ -133,8 +133,9 @@ def analyse(run: str, rows: int, budget: float | None, device: torch.device,
                 answered_distractor[1] += 1
                 slips = [x + y for x, y in zip(slips, _slips(row, answer, start[b], width),
                                                strict=True)]
+            last = max([c1] + [(s + width - 1) // c for s in others])  # the needles' last chunk
             for layer, on_sm in sm.items():
-                if max([c1] + [(s + width - 1) // c for s in others]) >= len(on_sm[b]):
+                if last >= len(on_sm[b]):
                     continue
                 for h in range(len(on_sm[b][c0])):
                     key = "+".join("SM" if on_sm[b][i][h] else "LA" for i in sorted({c0, c1}))
