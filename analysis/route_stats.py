@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from nats.eval_mode import eval_mode
 from nats.kernels import SOFTMAX
 from nats.softmax_fraction import softmax_token_counts
 from nats.trainers.evaluation import RelevantFn, informative_chunks
@@ -104,12 +105,10 @@ def collect_route_stats(model: NatsForCausalLM,
     """Run ``model`` (eval mode) over ``(input_ids, labels)`` batches and count every
     NAtS-L layer's routes; ``relevant`` marks the task-relevant positions of a batch.
     ``on_output(index, output)`` sees each batch's model output (to reuse a forward)."""
-    was_training = model.training
-    model.eval()
     device = model.embed.weight.device
     chunk = model.config.chunk_size
     stats: dict[int, LayerRouteStats] = {}
-    try:
+    with eval_mode(model):
         for n, (input_ids, labels) in enumerate(tqdm(batches, desc="routing statistics",
                                                      unit="batch", disable=not progress)):
             out = model(input_ids.to(device))
@@ -122,6 +121,4 @@ def collect_route_stats(model: NatsForCausalLM,
                 if i not in stats:
                     stats[i] = LayerRouteStats(layer=i, heads=routes.shape[2])
                 stats[i].add(routes, probs, input_ids.shape[1], chunk, mask)
-    finally:
-        model.train(was_training)
     return stats

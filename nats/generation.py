@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .cuda_graph import GraphedDecoder
+from .eval_mode import eval_mode
 
 if TYPE_CHECKING:  # the model imports this module
     from .model import NatsForCausalLM
@@ -37,7 +38,8 @@ def generate(model: NatsForCausalLM, input_ids: torch.Tensor, max_new_tokens: in
     """Prefill the prompt once, then decode token by token against the cache.
 
     Returns ``[B, T + n]``; generation stops early once every row has produced
-    ``eos_token_id``. Routing is deterministic (argmax) unless the model is training.
+    ``eos_token_id``. The model decodes in evaluation mode (:func:`nats.eval_mode.eval_mode`:
+    argmax routes, its routing statistics untouched, its mode restored after).
     ``cuda_graph`` replays the decode steps from a CUDA graph
     (:class:`nats.cuda_graph.GraphedDecoder`); by default it does on a GPU.
     ``max_prompt_tokens`` refuses longer prompts: the prefill is one forward pass, whose
@@ -59,23 +61,24 @@ def generate(model: NatsForCausalLM, input_ids: torch.Tensor, max_new_tokens: in
         return input_ids
     if cuda_graph is None:
         cuda_graph = input_ids.is_cuda
-    logits, cache = model.prefill(input_ids)
-    if not bool(torch.isfinite(logits[:, -1]).all()):
-        raise ValueError("the model's logits are not finite (NaN or inf): its weights are "
-                         "damaged or its training diverged")
-    if cuda_graph:
-        step = GraphedDecoder(model, cache)
-    else:
-        def step(token: torch.Tensor) -> torch.Tensor:
-            return model.decode_step(token, cache)
-    finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-    next_token = pick_next(logits[:, -1], do_sample, temperature, top_k, generator)
-    for i in range(max_new_tokens):
-        if eos_token_id is not None:
-            next_token = next_token.masked_fill(finished, eos_token_id)
-            finished |= next_token == eos_token_id
-        tokens.append(next_token[:, None])
-        if i + 1 == max_new_tokens or (eos_token_id is not None and bool(finished.all())):
-            break
-        next_token = pick_next(step(next_token), do_sample, temperature, top_k, generator)
-    return torch.cat(tokens, 1)
+    with eval_mode(model):
+        logits, cache = model.prefill(input_ids)
+        if not bool(torch.isfinite(logits[:, -1]).all()):
+            raise ValueError("the model's logits are not finite (NaN or inf): its weights are "
+                             "damaged or its training diverged")
+        if cuda_graph:
+            step = GraphedDecoder(model, cache)
+        else:
+            def step(token: torch.Tensor) -> torch.Tensor:
+                return model.decode_step(token, cache)
+        finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        next_token = pick_next(logits[:, -1], do_sample, temperature, top_k, generator)
+        for i in range(max_new_tokens):
+            if eos_token_id is not None:
+                next_token = next_token.masked_fill(finished, eos_token_id)
+                finished |= next_token == eos_token_id
+            tokens.append(next_token[:, None])
+            if i + 1 == max_new_tokens or (eos_token_id is not None and bool(finished.all())):
+                break
+            next_token = pick_next(step(next_token), do_sample, temperature, top_k, generator)
+        return torch.cat(tokens, 1)

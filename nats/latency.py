@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from .eval_mode import eval_mode
 from .model import NatsForCausalLM
 
 
@@ -50,11 +51,6 @@ def prefill_latency_ms(model: NatsForCausalLM, input_ids: torch.Tensor, length: 
     (batch 1, eval mode, no gradients); the model's mode is restored afterwards."""
     device = next(model.parameters()).device
     tokens = tile_tokens(input_ids, length).to(device)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), autocast or contextlib.nullcontext():
-            return median_ms(lambda: model(tokens), device)
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.no_grad(), autocast or contextlib.nullcontext():
+        return median_ms(lambda: model(tokens), device)
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from nats.eval_mode import eval_mode
 from nats.kernels import SOFTMAX
 from nats.kernels.reference.chunks import chunk_token_counts
 
@@ -94,13 +95,11 @@ def measure_softmax_fraction(
     are forced (``route_override``) are measured as forced. Returns ``{layer index:
     LayerFraction}`` for the NAtS-L layers only; no batches is an error.
     """
-    was_training = model.training
-    model.eval()
     device = model.embed.weight.device
     chunk = model.config.chunk_size
     sums: dict[int, torch.Tensor] = {}
     tokens = 0
-    try:
+    with eval_mode(model):
         for batch in batches:
             input_ids = batch[0] if isinstance(batch, (tuple, list)) else batch
             out = model(input_ids.to(device))
@@ -110,8 +109,6 @@ def measure_softmax_fraction(
                     counts = softmax_token_counts(routes, seq_len, chunk)
                     sums[i] = sums[i] + counts if i in sums else counts
             tokens += input_ids.numel()
-    finally:
-        model.train(was_training)
     if tokens == 0:
         raise ValueError("measuring the softmax fraction needs at least one batch")
     return {i: LayerFraction(layer=i, softmax_tokens=tuple(int(n) for n in s), tokens=tokens)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nats import NatsForCausalLM
+from nats.eval_mode import eval_mode
 from nats.kernels import SOFTMAX
 from nats.model import IGNORE_INDEX, next_token_cross_entropy
 
@@ -234,8 +235,6 @@ def evaluate(model: NatsForCausalLM, batches: list[Batch], device: torch.device,
     """
     relevant: RelevantFn | None = getattr(task, "relevant_positions", None)
     by_position: bool = getattr(task, "ONE_SPAN", False)
-    was_training = model.training
-    model.eval()
     ce_sum = reg_sum = 0.0
     tokens = correct = sequences = solved = 0
     frac_sums: dict[str, float] = {}
@@ -243,37 +242,37 @@ def evaluate(model: NatsForCausalLM, batches: list[Batch], device: torch.device,
     probs: list[list[torch.Tensor]] = []
     precision = RoutingPrecision()
     where = SpanPosition()
-    for i, (input_ids, labels) in enumerate(batches):
-        input_ids, labels = input_ids.to(device), labels.to(device)
-        with autocast or contextlib.nullcontext():
-            out = model(input_ids)
-        ce_sum += float(next_token_cross_entropy(out.logits, labels, reduction="sum"))
-        reg_sum += float(out.reg_loss)
-        target = labels[:, 1:]
-        mask = target != IGNORE_INDEX
-        hit = (out.logits[:, :-1].argmax(-1) == target) & mask
-        tokens += int(mask.sum())
-        correct += int(hit.sum())
-        has_labels = mask.any(1)
-        sequences += int(has_labels.sum())
-        row_solved = has_labels & (hit == mask).all(1)
-        solved += int(row_solved.sum())
-        for k, v in {**frac_scalars("eval", out.attn_frac),
-                     **route_frac_scalars("eval", out.routable_frac)}.items():
-            frac_sums[k] = frac_sums.get(k, 0.0) + v
-        marked = relevant(input_ids, labels) if relevant is not None else None
-        if marked is not None and model.nats_layers:
-            precision.add(out.routes, marked, question_positions(labels),
-                          model.config.chunk_size)
-        if marked is not None and by_position:
-            where.add(marked, row_solved, model.config.chunk_size)
-        if i == 0:
-            routes = [r.detach() if r is not None else None for r in out.routes]
-            probs = [[] for _ in out.probs]
-        for layer, p in zip(probs, out.probs, strict=True):
-            if p is not None:
-                layer.append(p[..., SOFTMAX].detach().float().flatten().cpu())
-    model.train(was_training)
+    with eval_mode(model):
+        for i, (input_ids, labels) in enumerate(batches):
+            input_ids, labels = input_ids.to(device), labels.to(device)
+            with autocast or contextlib.nullcontext():
+                out = model(input_ids)
+            ce_sum += float(next_token_cross_entropy(out.logits, labels, reduction="sum"))
+            reg_sum += float(out.reg_loss)
+            target = labels[:, 1:]
+            mask = target != IGNORE_INDEX
+            hit = (out.logits[:, :-1].argmax(-1) == target) & mask
+            tokens += int(mask.sum())
+            correct += int(hit.sum())
+            has_labels = mask.any(1)
+            sequences += int(has_labels.sum())
+            row_solved = has_labels & (hit == mask).all(1)
+            solved += int(row_solved.sum())
+            for k, v in {**frac_scalars("eval", out.attn_frac),
+                         **route_frac_scalars("eval", out.routable_frac)}.items():
+                frac_sums[k] = frac_sums.get(k, 0.0) + v
+            marked = relevant(input_ids, labels) if relevant is not None else None
+            if marked is not None and model.nats_layers:
+                precision.add(out.routes, marked, question_positions(labels),
+                              model.config.chunk_size)
+            if marked is not None and by_position:
+                where.add(marked, row_solved, model.config.chunk_size)
+            if i == 0:
+                routes = [r.detach() if r is not None else None for r in out.routes]
+                probs = [[] for _ in out.probs]
+            for layer, p in zip(probs, out.probs, strict=True):
+                if p is not None:
+                    layer.append(p[..., SOFTMAX].detach().float().flatten().cpu())
     if tokens == 0:
         raise ValueError(f"the {len(batches)} evaluation batches hold no labelled token: loss, "
                          "perplexity and accuracy are undefined")

@@ -29,6 +29,7 @@ import torch
 
 from nats.atomic_write import atomic_write_bytes
 from nats.config import LAYER_LISTS, NatsConfig
+from nats.eval_mode import eval_mode
 from nats.model import CONFIG_FILE, WEIGHTS_FILE, NatsForCausalLM
 from nats.plotting import save_png
 from nats.softmax_fraction import (
@@ -177,11 +178,8 @@ def _draw_routes(model: NatsForCausalLM, batch: Batch | torch.Tensor | None,
         path.unlink(missing_ok=True)
         return None
     ids = (batch[0] if isinstance(batch, (tuple, list)) else batch)[:1]
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
+    with eval_mode(model), torch.no_grad():
         routes = model(ids.to(next(model.parameters()).device)).routes
-    model.train(was_training)
     figure = routing_figure([r.cpu() if r is not None else None for r in routes],
                             model.config.layer_types, model.config.chunk_size, ids.shape[1],
                             title=f"routes of the first evaluation sequence ({ids.shape[1]} "

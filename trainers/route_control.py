@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from nats import NatsForCausalLM
+from nats.eval_mode import eval_mode
 
 from .config import TrainConfig
 from .evaluation import evaluate
@@ -279,10 +280,8 @@ def _calibrate(model: NatsForCausalLM, scores: _Scores,
                targets: Sequence[float | Sequence[float]]) -> list[Calibration]:
     """Each layer to its target, first to last: one share for all its heads (one bias, over
     their pooled scores), or a share per head (a bias each)."""
-    was_training = model.training
-    model.eval()
     out = []
-    try:
+    with eval_mode(model):
         for position, ((index, layer), target) in enumerate(
                 zip(scores.layers, targets, strict=True)):
             z = scores.of(position, targets[:position])
@@ -299,8 +298,6 @@ def _calibrate(model: NatsForCausalLM, scores: _Scores,
                 layer.budget.route_bias.fill_(bias)
                 out.append(Calibration(index, bias, target,
                                        float((z + bias >= 0).float().mean())))
-    finally:
-        model.train(was_training)
     return out
 
 

@@ -123,6 +123,24 @@ def test_greedy_generate_equals_repeated_full_forward():
     assert torch.equal(out, expected)
 
 
+def test_generate_in_training_leaves_the_routing_statistics():
+    """A model mid-training generates as in evaluation (argmax routes) and its routing
+    statistics, pending or running, are as they were; it is still training after."""
+    model = tiny_model(("nats", "nats"), branch_norm="scaled")
+    prompt = torch.randint(0, 50, (2, 45), generator=torch.Generator().manual_seed(6))
+    expected = model.eval().generate(prompt, 9)
+    model.train()
+    model(prompt)  # a training forward: its sums wait for the next optimizer step
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    stats = [m for m in model.modules() if getattr(m, "pending", None) is not None]
+    pending = [m.pending.clone() for m in stats]
+    assert pending and all(p[0] > 0 for p in pending)
+    assert torch.equal(model.generate(prompt, 9), expected)
+    assert model.training
+    assert all(torch.equal(m.pending, p) for m, p in zip(stats, pending, strict=True))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def test_sampling_is_reproducible_and_respects_top_k():
     model = tiny_model(("nats",))
     prompt = torch.randint(0, 50, (4, 5), generator=torch.Generator().manual_seed(5))
