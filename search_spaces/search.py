@@ -262,6 +262,7 @@ def run_trial(params: dict[str, Any], *, settings: SearchSettings, trials_dir: s
     from ray import tune
 
     from nats.trainers import latest_checkpoint, train
+    from nats.trainers.config import TRAIN_CONFIG_FILE
 
     # Tune logs every report's checkpoint at INFO: a line per report and trial.
     logging.getLogger("ray.train").setLevel(logging.WARNING)
@@ -317,7 +318,9 @@ def run_trial(params: dict[str, Any], *, settings: SearchSettings, trials_dir: s
         if step < config.steps:
             report(values)
 
-    result = train(config, resume=start is not None, on_eval=on_eval)
+    # A retried trial that died before its first checkpoint starts over in its folder.
+    retried = start is not None or (out_dir / TRAIN_CONFIG_FILE).is_file()
+    result = train(config, resume=retried, on_eval=on_eval)
     record.update(status="interrupted" if result.interrupted else "done", step=result.step,
                   ended_at=time.time())
     _write_trial(out_dir, record)

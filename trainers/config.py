@@ -19,6 +19,8 @@ from nats.model import read_json_object
 from .checkpoint import newest_readable
 from .synthetic import CopyTask, MQARTask, NeedleTask, SyntheticTask, TaskMixture
 
+TRAIN_CONFIG_FILE = "train_config.json"
+"""A run folder's config (it marks the folder as a run)."""
 TUPLE_FIELDS = ("data_paths", "mqar_pairs_mix")
 """``TrainConfig`` fields that are tuples, which JSON and argparse hand over as lists."""
 
@@ -448,9 +450,9 @@ def run_config(preset_name: str, overrides: dict[str, Any], resume: bool,
     found = newest_readable(out_dir) if resume else None
     if found is not None:
         base = TrainConfig.from_dict(found[1]["config"])
-    elif resume and (out_dir / "train_config.json").is_file():
+    elif resume and (out_dir / TRAIN_CONFIG_FILE).is_file():
         # Stopped before its first checkpoint: start over with the run's own config.
-        base = config_from_file(out_dir / "train_config.json", base)
+        base = config_from_file(out_dir / TRAIN_CONFIG_FILE, base)
     if arch is not None:
         base = with_architecture(base, *arch)
     # Model and run overrides at once: a run field may only be valid with the new model

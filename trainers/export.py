@@ -39,8 +39,9 @@ from nats.softmax_fraction import (
     measure_softmax_fraction,
 )
 
+from .config import TRAIN_CONFIG_FILE
 from .routing_maps import routing_figure
-from .sources import TRAIN_CONFIG_FILE, TRAINING_FILE, load_model
+from .sources import TRAINING_FILE, load_model
 
 README_FILE = "README.md"
 ROUTING_MAP_FILE = "routing_map.png"

@@ -34,7 +34,7 @@ from .checkpoint import (
     read_checkpoint_meta,
     save_checkpoint,
 )
-from .config import TrainConfig
+from .config import TRAIN_CONFIG_FILE, TrainConfig
 from .data import build_batches
 from .distributed import World, joined_world
 from .evaluation import evaluate, frac_scalars, route_frac_scalars
@@ -127,6 +127,12 @@ def _start_or_resume(config: TrainConfig, resume: bool, model: NatsForCausalLM,
     """
     found = list_checkpoints(config.out_dir)
     if not found:
+        if (Path(config.out_dir) / TRAIN_CONFIG_FILE).is_file() and not resume:
+            # A run that stopped before its first checkpoint: starting another over it would
+            # replace its config and mix two runs' logs.
+            raise FileExistsError(f"{config.out_dir} already holds a run that stopped before "
+                                  "its first checkpoint; start it over (--resume) or choose "
+                                  "another output folder (--out)")
         if resume:
             say(f"nats: {config.out_dir} holds no checkpoint: starting from step 0")
         if config.init_from is not None:
@@ -263,7 +269,7 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
     config_dict = config.to_dict()
     config_json = json.dumps(config_dict, indent=2)
     if world.is_main:
-        atomic_write_bytes(out_dir / "train_config.json", config_json.encode())
+        atomic_write_bytes(out_dir / TRAIN_CONFIG_FILE, config_json.encode())
     log = RunLog(out_dir, step, enabled=world.is_main)
     if step == 0:
         log.config(config_json)

@@ -17,10 +17,8 @@ from safetensors.torch import load_file
 from nats.model import CONFIG_FILE, WEIGHTS_FILE, NatsForCausalLM
 
 from .checkpoint import latest_checkpoint, read_checkpoint_meta
-from .config import TrainConfig
+from .config import TRAIN_CONFIG_FILE, TrainConfig
 
-TRAIN_CONFIG_FILE = "train_config.json"
-"""A run folder's config (it marks the folder as a run)."""
 TRAINING_FILE = "training.json"
 """An export's run config: the task and data its model was trained on."""
 

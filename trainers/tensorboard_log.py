@@ -47,9 +47,10 @@ class RunLog:
     def __init__(self, out_dir: Path, resume_step: int, enabled: bool) -> None:
         self.out_dir = out_dir
         # purge_step drops events a crashed run wrote after its last checkpoint; those of
-        # the checkpoint's own step were written before it and are not repeated.
+        # the checkpoint's own step were written before it and are not repeated. A run that
+        # starts over (resumed before its first checkpoint) drops all the earlier events.
         self.writer = (SummaryWriter(str(out_dir), purge_step=resume_step + 1 if resume_step
-                                     else None) if enabled else None)
+                                     else 0) if enabled else None)
 
     def config(self, config_json: str) -> None:
         if self.writer:

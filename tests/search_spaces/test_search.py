@@ -161,24 +161,29 @@ def test_the_default_folder_moves_on_when_taken(tmp_path: Path, monkeypatch) -> 
     assert default_out() == Path("runs/search-4")
 
 
-def test_a_trial_whose_worker_dies_resumes_from_its_checkpoint(tmp_path: Path, local_ray,
-                                                              capsys) -> None:
+@pytest.mark.parametrize("checkpointed", [True, False], ids=["after-checkpoint", "before"])
+def test_a_trial_whose_worker_dies_is_retried(tmp_path: Path, local_ray, capsys,
+                                              checkpointed: bool) -> None:
+    """Killed after its first checkpoint, a trial resumes from it; killed before (its
+    folder holds only the start of a run), it starts over."""
     out = tmp_path / "search"
     killed: list[int] = []
 
-    def kill_worker_after_a_checkpoint() -> None:
+    def kill_worker() -> None:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             for path in (out / "trials").glob("*/search_trial.json"):
                 record = json.loads(path.read_text())
                 saved = path.parent / "checkpoints" / "step_00000150.safetensors"
-                if saved.exists() and record["status"] == "running":
+                started = (path.parent / "train_config.json").exists()
+                ready = saved.exists() if checkpointed else started
+                if ready and record["status"] == "running":
                     os.kill(record["pid"], signal.SIGKILL)
                     killed.append(record["pid"])
                     return
             time.sleep(0.05)
 
-    watcher = threading.Thread(target=kill_worker_after_a_checkpoint, daemon=True)
+    watcher = threading.Thread(target=kill_worker, daemon=True)
     watcher.start()
     status = main(["search", "--steps", "300", "--num-trials", "1", "--out", str(out)])
     watcher.join()
@@ -186,7 +191,8 @@ def test_a_trial_whose_worker_dies_resumes_from_its_checkpoint(tmp_path: Path, l
     (record_file,) = (out / "trials").glob("*/search_trial.json")
     record = json.loads(record_file.read_text())
     assert record["status"] == "done" and record["step"] == 300
-    assert record["pid"] != killed[0] and record["resumed_from"] >= 150
+    assert record["pid"] != killed[0]
+    assert record["resumed_from"] >= 150 if checkpointed else record["resumed_from"] == 0
     assert _rows(out)[0]["status"] == "done"
 
 

@@ -177,6 +177,32 @@ def test_resume_with_no_checkpoint_says_it_starts_over(micro: MicroConfig, capsy
         capsys.readouterr().out
 
 
+def test_a_run_stopped_before_its_first_checkpoint_is_kept_or_started_over(
+        micro: MicroConfig) -> None:
+    """Its folder (``train_config.json`` and the events of steps 0-5, no checkpoint) is
+    not trained over without ``--resume``; resumed, it starts over and the old events
+    are gone from TensorBoard's view."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    from nats.trainers import train
+
+    config = micro(steps=2)
+    out = Path(config.out_dir)
+    out.mkdir(parents=True)
+    (out / "train_config.json").write_text(json.dumps(config.to_dict()))
+    with SummaryWriter(str(out)) as old:
+        for step in range(6):
+            old.add_scalar("train/loss", 99.0, step)
+    with pytest.raises(FileExistsError, match=r"stopped before its first checkpoint.*--resume"):
+        train(config)
+    train(config, resume=True)
+    events = EventAccumulator(str(out), size_guidance={"scalars": 0})
+    events.Reload()
+    losses = events.Scalars("train/loss")
+    assert [e.step for e in losses] == [1, 2] and all(e.value < 99 for e in losses)
+
+
 def test_atomic_writes_clean_up_after_a_killed_writer_and_keep_normal_permissions(
         tmp_path: Path) -> None:
     """A writer killed mid-write leaves ``.NAME.*.tmp`` behind (145-254 MB for a checkpoint);
