@@ -145,6 +145,19 @@ def _from_legacy_groups(state: dict[int, dict[str, Any]], groups: list[dict[str,
                    zip([groups[0], groups[1], groups[0]], now, strict=True)]
 
 
+def read_checkpoint_tensors(path: str | Path, meta: dict[str, Any],
+                            device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint whose ``meta`` was read, checked against its digest."""
+    try:
+        tensors = load_file(str(path), device=str(device))
+    except Exception as e:  # safetensors raises its own error types for a damaged file
+        raise CorruptCheckpoint(f"{path} cannot be read ({type(e).__name__}: {e})") from None
+    if "digest" in meta and tensor_digest(tensors) != meta["digest"]:
+        raise CorruptCheckpoint(f"{path} fails its digest: its tensor data changed after it "
+                                "was written")
+    return tensors
+
+
 @dataclass(frozen=True)
 class Restored:
     step: int
@@ -155,13 +168,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer) -> Restored:
     """Restore model, optimizer and RNG states in place; return the step and config."""
     meta = read_checkpoint_meta(path)
-    try:
-        tensors = load_file(str(path))
-    except Exception as e:
-        raise CorruptCheckpoint(f"{path} cannot be read ({type(e).__name__}: {e})") from None
-    if "digest" in meta and tensor_digest(tensors) != meta["digest"]:
-        raise CorruptCheckpoint(f"{path} fails its digest: its tensor data changed after it "
-                                "was written")
+    tensors = read_checkpoint_tensors(path, meta)
     try:
         return _restore(meta, tensors, model, optimizer, path)
     except (KeyError, TypeError, IndexError, RuntimeError) as e:  # well-formed, wrong inside

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +47,8 @@ from .sources import TRAINING_FILE, load_model
 
 README_FILE = "README.md"
 ROUTING_MAP_FILE = "routing_map.png"
+EXPORT_FILES = (CONFIG_FILE, WEIGHTS_FILE, TRAINING_FILE, ROUTING_MAP_FILE, README_FILE)
+"""Every file an export writes (all but the weights and the task are always written)."""
 """The routes of the first evaluation sequence, drawn when a NAtS-L layer was measured."""
 PLAIN_KIND = {ALL_SOFTMAX: "softmax", ALL_LINEAR: "linear"}
 """The plain layer type that a NAtS-L layer with these routes is exported as."""
@@ -139,35 +143,55 @@ def export_model(model: NatsForCausalLM, out_dir: str | os.PathLike, *,
     config = trained.replace(layer_types=tuple(converted.get(i, t)
                                                for i, t in enumerate(trained.layer_types)))
     exported, carried, fresh = _carry_weights(model, config, converted, init_seed)
-    out.mkdir(parents=True, exist_ok=True)
-    weights_path = None
-    if weights:
-        exported.save_pretrained(out)  # config.json and model.safetensors, each atomically
-        weights_path = out / WEIGHTS_FILE
-    else:
-        (out / WEIGHTS_FILE).unlink(missing_ok=True)  # never leave weights of another export
-        atomic_write_bytes(out / CONFIG_FILE,
-                           (json.dumps(config.to_dict(), indent=2) + "\n").encode())
-    training_path = out / TRAINING_FILE
-    if train_config is None:
-        training_path.unlink(missing_ok=True)  # never leave the task of another export
-        training_path = None
-    else:
-        run = train_config.replace(model=config, init_from=None, out_dir=f"runs/{out.name}")
-        atomic_write_bytes(training_path, (json.dumps(run.to_dict(), indent=2) + "\n").encode())
-    routing_map = _draw_routes(model, eval_batches[0] if eval_batches else None,
-                               out / ROUTING_MAP_FILE)
-    result = ExportResult(
-        out_dir=out, config=config, trained_layer_types=trained.layer_types,
-        fractions=fractions, converted=converted, weights=weights_path,
-        training=training_path, training_task=train_config and train_config.task,
-        readme=out / README_FILE, origin=origin,
-        parameters=sum(p.numel() for p in exported.parameters()),
-        dtype=str(exported.embed.weight.dtype).removeprefix("torch."),
-        eval_description=eval_description or f"{len(eval_batches)} batch(es)",
-        carried=carried, fresh=fresh, routing_map=routing_map)
-    atomic_write_bytes(result.readme, render_readme(result, init_seed).encode())
+    # Written into a staging folder beside ``out`` and moved in at the end: an export cut
+    # short (Ctrl-C, a full disk) leaves ``out`` as it was, not half of a model folder.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".export", dir=out.parent))
+    try:
+        if weights:
+            exported.save_pretrained(stage)
+        else:
+            atomic_write_bytes(stage / CONFIG_FILE,
+                               (json.dumps(config.to_dict(), indent=2) + "\n").encode())
+        if train_config is not None:
+            run = train_config.replace(model=config, init_from=None, out_dir=f"runs/{out.name}")
+            atomic_write_bytes(stage / TRAINING_FILE,
+                               (json.dumps(run.to_dict(), indent=2) + "\n").encode())
+        routing_map = _draw_routes(model, eval_batches[0] if eval_batches else None,
+                                   stage / ROUTING_MAP_FILE)
+        result = ExportResult(
+            out_dir=out, config=config, trained_layer_types=trained.layer_types,
+            fractions=fractions, converted=converted,
+            weights=out / WEIGHTS_FILE if weights else None,
+            training=out / TRAINING_FILE if train_config is not None else None,
+            training_task=train_config and train_config.task,
+            readme=out / README_FILE, origin=origin,
+            parameters=sum(p.numel() for p in exported.parameters()),
+            dtype=str(exported.embed.weight.dtype).removeprefix("torch."),
+            eval_description=eval_description or f"{len(eval_batches)} batch(es)",
+            carried=carried, fresh=fresh,
+            routing_map=out / ROUTING_MAP_FILE if routing_map is not None else None)
+        atomic_write_bytes(stage / README_FILE, render_readme(result, init_seed).encode())
+        _move_in(stage, out)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     return result
+
+
+def _move_in(stage: Path, out: Path) -> None:
+    """Put the staged export in place: the whole folder in one rename where ``out`` is
+    absent or empty; over an earlier export (``--force``), file by file, removing the
+    export files this one does not write (weights of another export, its task, its map)."""
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    if not out.exists():
+        stage.rename(out)
+        return
+    for name in EXPORT_FILES:
+        if (stage / name).exists():
+            os.replace(stage / name, out / name)
+        else:
+            (out / name).unlink(missing_ok=True)
 
 
 def _draw_routes(model: NatsForCausalLM, batch: Batch | torch.Tensor | None,

@@ -5,18 +5,16 @@ knows the same about how a model was trained.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file
+from safetensors import safe_open
 
-from nats.model import CONFIG_FILE, WEIGHTS_FILE, NatsForCausalLM
+from nats.model import CONFIG_FILE, WEIGHTS_FILE, NatsForCausalLM, read_json_object
 
-from .checkpoint import latest_checkpoint, read_checkpoint_meta
+from .checkpoint import latest_checkpoint, read_checkpoint_meta, read_checkpoint_tensors
 from .config import TRAIN_CONFIG_FILE, TrainConfig
 
 TRAINING_FILE = "training.json"
@@ -57,13 +55,15 @@ def load_model(source: str | os.PathLike, device: str | torch.device = "cpu") ->
 
 def read_train_config(path: Path) -> TrainConfig:
     """A ``TrainConfig`` JSON file; a damaged one is a one-line ``ValueError``."""
-    try:
-        return TrainConfig.from_dict(json.loads(path.read_text()))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e})") from None
+    return TrainConfig.from_dict(read_json_object(path))
 
 
 def _load_run(path: Path, device: str | torch.device) -> LoadedModel:
+    """The run's ``model/`` where it is current, else its newest checkpoint.
+
+    ``model/`` is saved with the run's last checkpoint. A newest checkpoint that holds
+    other weights and was written after ``model/`` is the newer model (the run resumed and
+    went on); a ``model/`` written after it (changed by hand) is kept."""
     train_config = read_train_config(path / TRAIN_CONFIG_FILE)
     model_dir = path / "model"
     newest = latest_checkpoint(path)
@@ -72,8 +72,12 @@ def _load_run(path: Path, device: str | torch.device) -> LoadedModel:
         if model.config != train_config.model:
             raise ValueError(f"{model_dir} holds another model than {path / TRAIN_CONFIG_FILE} "
                              "describes")
-        step = _step_if_same_weights(newest, model) if newest else None
-        when = f"step {step}" if step is not None else "final model"
+        same = _holds_weights(newest, model) if newest is not None else None
+        if same is False and (newest.stat().st_mtime
+                              > (model_dir / WEIGHTS_FILE).stat().st_mtime):
+            return _load_checkpoint(newest, device,
+                                    origin=f"run {path} (newest checkpoint, newer than model/)")
+        when = f"step {read_checkpoint_meta(newest)['step']}" if same else "final model"
         return LoadedModel(model.eval(), train_config, f"run {path} (model/, {when})")
     if newest is None:
         raise ValueError(f"{path} holds no trained model: neither model/ nor a checkpoint")
@@ -95,26 +99,33 @@ def _load_model_folder(path: Path, device: str | torch.device) -> LoadedModel:
 
 
 def _load_checkpoint(path: Path, device: str | torch.device, origin: str) -> LoadedModel:
-    try:
-        meta = read_checkpoint_meta(path)
-    except SafetensorError as e:
-        raise ValueError(f"{path} is not a nats checkpoint: {e}") from None
+    """A checkpoint's model; a damaged file (unreadable, failing its digest, or holding
+    tensors its config does not describe) is a one-line ``ValueError``."""
+    meta = read_checkpoint_meta(path)
     train_config = TrainConfig.from_dict(meta["config"])
-    tensors = load_file(str(path), device=str(device))
+    tensors = read_checkpoint_tensors(path, meta, device)
     state = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
     with torch.device(device):
         model = NatsForCausalLM(train_config.model)
-    model = model.to(state["embed.weight"].dtype)
-    model.load_state_dict(state)
+    try:
+        model = model.to(state["embed.weight"].dtype)
+        model.load_state_dict(state)
+    except (KeyError, RuntimeError) as e:
+        reason = " ".join(str(e).split())  # one line: load_state_dict lists every key
+        raise ValueError(f"{path} does not hold the model its config describes ({reason[:300]})"
+                         ) from None
     return LoadedModel(model.eval(), train_config, f"{origin}, step {meta['step']}")
 
 
-def _step_if_same_weights(checkpoint: Path, model: NatsForCausalLM) -> int | None:
-    """The checkpoint's step if it holds exactly ``model``'s weights (the run's last save)."""
-    with safe_open(str(checkpoint), framework="pt") as f:
-        keys = set(f.keys())
-        for name, tensor in model.state_dict().items():
-            key = f"model/{name}"
-            if key not in keys or not torch.equal(f.get_tensor(key), tensor.cpu()):
-                return None
-    return int(read_checkpoint_meta(checkpoint)["step"])
+def _holds_weights(checkpoint: Path, model: NatsForCausalLM) -> bool | None:
+    """Whether the checkpoint holds exactly ``model``'s weights (the run's last save);
+    ``None`` if it cannot be read (a damaged newest checkpoint says nothing of ``model/``)."""
+    try:
+        read_checkpoint_meta(checkpoint)
+        with safe_open(str(checkpoint), framework="pt") as f:
+            keys = set(f.keys())
+            return all(f"model/{name}" in keys
+                       and torch.equal(f.get_tensor(f"model/{name}"), tensor.cpu())
+                       for name, tensor in model.state_dict().items())
+    except Exception:  # safetensors raises its own error types for a damaged file
+        return None

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from nats import ConfigError, NatsConfig, NatsForCausalLM
 from nats.cli import main
@@ -304,3 +304,98 @@ def test_cli_export(run: Path, tmp_path: Path, capsys) -> None:
     assert "wrote config.json, training.json, routing_map.png, README.md" in \
         capsys.readouterr().out
     assert not (out / "model.safetensors").exists()
+
+
+def test_an_export_cut_short_leaves_the_folder_as_it_was(run: Path, tmp_path: Path,
+                                                          monkeypatch) -> None:
+    """Ctrl-C after the weights were written: no half model folder, no staging folder,
+    and an earlier export that ``--force`` was replacing is whole."""
+    import nats.trainers.export as export
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    earlier = export_architecture(run, tmp_path / "old")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "old").iterdir()}
+    monkeypatch.setattr(export, "render_readme", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        export_architecture(run, tmp_path / "new")
+    with pytest.raises(KeyboardInterrupt):
+        export_architecture(run, tmp_path / "old", force=True, weights=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "old").iterdir()} == before
+    assert earlier.weights is not None and earlier.weights.is_file()
+
+
+def test_force_over_an_earlier_export_keeps_other_files_and_drops_stale_ones(
+        run: Path, tmp_path: Path) -> None:
+    export_architecture(run, tmp_path / "e")
+    (tmp_path / "e" / "notes.txt").write_text("mine")
+    result = export_architecture(run, tmp_path / "e", force=True, weights=False)
+    names = sorted(p.name for p in (tmp_path / "e").iterdir())
+    assert "model.safetensors" not in names and "notes.txt" in names and result.weights is None
+    assert result.readme.is_file() and result.readme.parent == tmp_path / "e"
+
+
+def test_a_run_resumed_past_its_model_folder_exports_its_newest_checkpoint(
+        run: Path, tmp_path: Path) -> None:
+    """A finished run resumed for more steps and stopped: its ``model/`` is the earlier
+    end, its newest checkpoint (other weights, written later) the model."""
+    import os
+
+    from nats.trainers.checkpoint import save_checkpoint
+    from nats.trainers.optim import build_optimizer
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    config = TrainConfig.from_dict(json.loads((copy / "train_config.json").read_text()))
+    later = NatsForCausalLM.from_pretrained(copy / "model")
+    with torch.no_grad():
+        later.embed.weight.mul_(1.5)
+    path = save_checkpoint(copy, 7, later, build_optimizer(later, config), config.to_dict(), 5)
+    weights = copy / "model" / "model.safetensors"
+    os.utime(path, (weights.stat().st_atime, weights.stat().st_mtime + 10))
+    result = export_architecture(copy, tmp_path / "out", eval_batches=0)
+    assert result.origin == f"run {copy} (newest checkpoint, newer than model/), step 7"
+    assert torch.equal(_logits(NatsForCausalLM.from_pretrained(tmp_path / "out"), run),
+                       _logits(later, run))
+
+
+def test_damaged_sources_are_refused_in_one_line(run: Path, tmp_path: Path) -> None:
+    """A checkpoint whose tensor bytes changed (its digest), a checkpoint whose config
+    does not describe its tensors, a run config that is not an object; a truncated newest
+    checkpoint beside ``model/`` leaves ``model/`` the model."""
+    from safetensors import safe_open
+
+    checkpoint = latest_checkpoint(run)
+    flipped = tmp_path / "flipped.safetensors"
+    data = bytearray(checkpoint.read_bytes())
+    data[-5] ^= 0x40  # inside the last tensor's bytes
+    flipped.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="fails its digest"):
+        export_architecture(flipped, tmp_path / "a")
+
+    with safe_open(str(checkpoint), framework="pt") as f:
+        meta = f.metadata()
+    tensors = load_file(str(checkpoint))
+    nats_meta = json.loads(meta["nats"])
+    nats_meta["config"]["model"]["mlp_ratio"] = 8.0
+    other = tmp_path / "other.safetensors"
+    save_file(tensors, str(other), metadata={**meta, "nats": json.dumps(nats_meta)})
+    with pytest.raises(ValueError, match="does not hold the model its config describes"):
+        export_architecture(other, tmp_path / "b")
+
+    listed = tmp_path / "listed"
+    shutil.copytree(run, listed)
+    (listed / "train_config.json").write_text("[]")
+    with pytest.raises(ValueError, match="must hold a JSON object"):
+        export_architecture(listed, tmp_path / "c")
+
+    cut = tmp_path / "cut"
+    shutil.copytree(run, cut)
+    newest = latest_checkpoint(cut)
+    newest.write_bytes(newest.read_bytes()[:300])
+    result = export_architecture(cut, tmp_path / "d", eval_batches=0)
+    assert result.origin == f"run {cut} (model/, final model)"
+    for name in "abc":
+        assert not (tmp_path / name).exists()
