@@ -33,6 +33,7 @@ import hashlib
 import io
 import json
 import os
+import zipfile
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -216,15 +217,19 @@ class Corpus:
 
     def _record_reader(self) -> Reader:
         def read() -> Iterator[list[str]]:
+            # An empty file holds no records (``datasets`` fails on one with a traceback).
+            files = [f for f in self.paths if f.stat().st_size > 0]
+            if not files:
+                return
             options: dict[str, Any] = {}
             if self.format == "parquet":
                 import pyarrow.parquet as pq
 
-                for f in self.paths:
+                for f in files:
                     self._check_fields(pq.read_schema(f).names, f)
                 options["columns"] = [self.text_field]
             ds = _datasets().load_dataset(
-                self.format, data_files=[globlib.escape(str(f)) for f in self.paths],
+                self.format, data_files=[globlib.escape(str(f)) for f in files],
                 split="train", streaming=True, **options)
             if ds.features is not None:
                 self._check_fields(list(ds.features), self.paths[0])
@@ -389,7 +394,7 @@ def _read_cached(file: Path) -> dict[str, TokenSplit] | None:
             meta = saved["meta"].tolist()
             return {split: TokenSplit(saved[split], meta[2 * i], meta[2 * i + 1])
                     for i, split in enumerate((TRAIN, VALIDATION))}
-    except (OSError, KeyError, ValueError):
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):
         return None  # absent or unreadable: tokenize again
 
 

@@ -369,7 +369,11 @@ def test_a_local_tokenizer_round_trips_and_packs(micro: MicroConfig, tmp_path: P
     assert batches.bytes_per_token > 1.5  # BPE merges bytes
     assert batches.train(0)[0].max() < tokenizer.vocab_size
     # The tokenized corpus is cached on disk and read back unchanged.
-    assert len(list((Path(os.environ["NATS_CACHE_DIR"]) / "tokens").glob("*.npz"))) == 1
+    (cached,) = (Path(os.environ["NATS_CACHE_DIR"]) / "tokens").glob("*.npz")
+    td._memory_cache.clear()
+    assert build_batches(config).eval_source.data.tolist() == expected
+    # A damaged cache file is tokenized again, not a traceback.
+    cached.write_bytes(cached.read_bytes()[:2000])
     td._memory_cache.clear()
     assert build_batches(config).eval_source.data.tolist() == expected
     streamed = build_batches(config.replace(streaming=True))
@@ -407,6 +411,10 @@ def test_bad_text_inputs_are_one_line_errors(micro: MicroConfig, tmp_path: Path)
                     data_paths=(str(tmp_path / "small"),), val_fraction=0.5, seq_len=100_000,
                     streaming=True)
 
+    (tmp_path / "none.jsonl").write_text("")
+    for streaming in (False, True):
+        _one_line_error(micro, ValueError, r"the train split( \(0 documents\))? is empty",
+                        data_paths=(str(tmp_path / "none.jsonl"),), streaming=streaming)
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"body": r, "n": 1}) + "\n" for r in _records(20)))
     _one_line_error(micro, ValueError, "text_field: 'text' is not a field.*'body', 'n'",
