@@ -62,7 +62,7 @@ class AttentionBenchConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        positive = ("runs", "recurrent_runs", "batch", "heads", "head_dim")
+        positive = ("runs", "recurrent_runs", "batch", "heads", "head_dim", "chunk_size")
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -85,8 +85,10 @@ def eval_command(args: argparse.Namespace) -> int:
     )
     from nats.trainers.sources import load_model
 
-    from .harness import run_eval, summary_lines
+    from .harness import check_eval_arguments, run_eval, summary_lines
     from .slices import slice_configs, slice_name
+
+    check_eval_arguments(args.batches, args.prefill, args.out)
 
     for name in ("batches", "batch_size", "train_seq_len"):
         value = getattr(args, name)

@@ -60,6 +60,9 @@ def time_decode(model: NatsForCausalLM, context: int, steps: int, device: torch.
 
 def run_decode_benchmark(contexts: tuple[int, ...], fractions: tuple[float, ...], steps: int,
                          out_json: Path | None) -> list[dict]:
+    for name, values in (("--context", contexts), ("--steps", (steps,))):
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+            raise ValueError(f"{name} must be integers >= 1, got {list(values)}")
     if not torch.cuda.is_available():
         raise ValueError("nats bench decode needs a CUDA GPU")
     device = torch.device("cuda")

@@ -21,8 +21,9 @@ import torch
 from tqdm import tqdm
 
 from nats import NatsForCausalLM
-from nats.atomic_write import atomic_write_bytes
+from nats.atomic_write import atomic_write_bytes, check_output_file
 from nats.cost_model import IMPLIED_FRACTION, architecture_cost
+from nats.eval_mode import eval_mode
 from nats.latency import prefill_latency_ms
 from nats.trainers import TrainConfig, build_batches, evaluate
 from nats.trainers.evaluation import layer_fractions
@@ -136,19 +137,30 @@ def prefill_seconds(model: NatsForCausalLM, config: TrainConfig, seq_len: int,
     return prefill_latency_ms(model, input_ids, seq_len, autocast_for("auto", device)) / 1e3
 
 
+def check_eval_arguments(batches: int, prefill_lens: Sequence[int],
+                         out: str | Path | None) -> None:
+    """What :func:`run_eval` is given, checked before any work (one-line errors)."""
+    if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
+        raise ValueError(f"--batches must be an integer >= 1, got {batches!r}")
+    bad = [n for n in prefill_lens if isinstance(n, bool) or not isinstance(n, int) or n < 1]
+    if bad:
+        raise ValueError(f"--prefill lengths must be integers >= 1, got {bad}")
+    if out is not None:
+        check_output_file(out)
+
+
 def run_eval(loaded: LoadedModel, slices: Sequence[TrainConfig], batches: int,
              device: torch.device, train_seq_len: int | None = None,
              prefill_lens: Sequence[int] = (), out: str | Path | None = None,
              show_progress: bool = True) -> dict[str, Any]:
     """Evaluate every slice (and time prefill at ``prefill_lens``); write JSON to ``out``."""
-    if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
-        raise ValueError(f"--batches must be an integer >= 1, got {batches!r}")
-    model = loaded.model.to(device).eval()
+    check_eval_arguments(batches, prefill_lens, out)
+    model = loaded.model.to(device)
     if train_seq_len is None and loaded.train_config is not None:
         train_seq_len = loaded.train_config.seq_len
     results = []
-    with tqdm(total=batches * len(slices), desc="eval", unit="batch",
-              disable=not show_progress) as bar:
+    with eval_mode(model), tqdm(total=batches * len(slices), desc="eval", unit="batch",
+                                disable=not show_progress) as bar:
         for config in slices:
             bar.set_postfix_str(slice_name(config))
             results.append(evaluate_slice(model, config, batches, device, train_seq_len, bar))

@@ -38,6 +38,7 @@ from nats.cuda_graph import warm_then_capture
 from nats.latency import median_ms
 from nats.model import NatsForCausalLM
 from nats.trainers.config import architecture_layers
+from nats.trainers.distributed import resolve_device
 
 from .decode_benchmark import time_decode
 
@@ -246,10 +247,10 @@ def run_model_benchmark(config: ModelBenchConfig, out_json: Path | None,
                         log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every variant, every measurement; the JSON is rewritten after each row, so a run
     cut short keeps what it measured."""
-    device = torch.device(config.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("nats bench model --device cuda needs a CUDA GPU (--device cpu "
                          "checks the command with small shapes)")
+    device = resolve_device(config.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -1,8 +1,11 @@
 """RULER's single-needle retrieval (S-NIAH), generated offline: ``nats ruler``.
 
 The prompt, needle and answer prefix are RULER's (Hsieh et al. 2024, arXiv 2404.06654,
-``scripts/data/synthetic/constants.py`` and ``niah.py``), and so is the score: the share of
-expected values found in the greedy continuation (``string_match_all``). The three tasks
+``scripts/data/synthetic/constants.py`` and ``niah.py``: its template, made singular for
+one needle as ``niah.py`` does; the noise sentences one per line, the needle at a uniformly
+drawn line), and so is the length: the prompt leaves room for the 128 generated tokens.
+So is the score: the share of expected values found in the greedy continuation
+(``string_match_all``). The three tasks
 are RULER's ``niah_single_1`` (the repeated noise sentences, a 7-digit number),
 ``niah_single_2`` (an essay haystack, a number) and ``niah_single_3`` (an essay haystack, a
 UUID). What differs, because nothing is downloaded: the essay haystack is a window of the
@@ -26,14 +29,23 @@ from tqdm import tqdm
 TEMPLATE = ("Some special magic {type_needle_v} are hidden within the following text. Make "
             "sure to memorize it. I will quiz you about the {type_needle_v} afterwards.\n"
             "{context}\nWhat are all the special magic {type_needle_v} for {query} mentioned "
-            "in the provided text?")
-ANSWER_PREFIX = (" The special magic {type_needle_v} for {query} mentioned in the provided "
-                 "text are")
+            "in the provided text? The special magic {type_needle_v} for {query} mentioned "
+            "in the provided text are")
+"""RULER's S-NIAH template, its answer prefix included."""
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 DEPTHS = [round(100 * i / 39) for i in range(40)]
-"""Insertion depths in per cent of the haystack, RULER's ``np.linspace(0, 100, 40)``."""
+"""Insertion depths in per cent of the essay haystack, RULER's ``np.linspace(0, 100, 40)``."""
 TOKENS_TO_GENERATE = 128
+"""Generated per prompt, and kept free of the length (RULER's ``tokens_to_generate``)."""
+
+
+def one_needle(template: str) -> str:
+    """RULER's rewording of a template asked about one value (``niah.py``)."""
+    for plural, singular in (("Some", "A"), ("are all", "is"), ("are", "is"),
+                             ("answers", "answer")):
+        template = template.replace(plural, singular)
+    return template
 
 ADJECTIVES = ("abundant", "ancient", "bitter", "brave", "bright", "broad", "calm", "careful",
               "cheap", "clever", "cold", "curious", "damp", "dark", "deep", "eager", "early",
@@ -76,40 +88,42 @@ class Sample:
 
 def make_sample(name: str, length: int, encode: Any, rng: random.Random,
                 essay_words: list[str] | None = None) -> Sample:
-    """A prompt of at most ``length`` tokens (``len(encode(text))``) leaving room for the
-    answer, with the longest haystack that fits."""
+    """A prompt of at most ``length - TOKENS_TO_GENERATE`` tokens (``len(encode(text))``),
+    with the longest haystack that fits."""
     task = TASKS[name]
     key = f"{rng.choice(ADJECTIVES)}-{rng.choice(NOUNS)}"
     value = (str(rng.randint(1_000_000, 9_999_999)) if task.value == "numbers"
              else str(uuid.UUID(int=rng.getrandbits(128), version=4)))
     needle = NEEDLE.format(type_needle_v=task.value, key=key, value=value)
-    depth = rng.choice(DEPTHS)
-    if task.haystack == "noise":
-        units, start = [NOISE], 0
+    if task.haystack == "noise":  # a line drawn uniformly, as RULER's repeated haystack
+        units, start, where, sep = [NOISE], 0, rng.random(), "\n"
     else:
         if not essay_words:
             raise ValueError(f"{name} needs essay words")
-        units, start = essay_words, rng.randrange(len(essay_words))
+        units, start, where, sep = (essay_words, rng.randrange(len(essay_words)),
+                                    rng.choice(DEPTHS) / 100, " ")
+
+    def at(n: int) -> int:
+        return int(n * where) if task.haystack == "noise" else round(n * where)
 
     def prompt(n: int) -> str:
         hay = [units[(start + i) % len(units)] for i in range(n)]
-        at = round(n * depth / 100)
-        context = " ".join([*hay[:at], needle, *hay[at:]])
-        return (TEMPLATE.format(type_needle_v=task.value, context=context, query=key)
-                + ANSWER_PREFIX.format(type_needle_v=task.value, query=key))
+        context = sep.join([*hay[:at(n)], needle, *hay[at(n):]])
+        return one_needle(TEMPLATE).format(type_needle_v=task.value[:-1], context=context,
+                                           query=key)
 
-    budget = length - len(encode(" " + value + "."))
+    budget = length - TOKENS_TO_GENERATE
     bare = len(encode(prompt(0)))
     if bare > budget:
         raise ValueError(f"length {length} is too short for {name}: the prompt alone takes "
-                         f"{bare} tokens")
+                         f"{bare} tokens and {TOKENS_TO_GENERATE} are kept for the answer")
     low, high = 0, 1
     while len(encode(prompt(high))) <= budget:  # grow, then bisect: a few encodings
         low, high = high, 2 * high
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (mid, high) if len(encode(prompt(mid))) <= budget else (low, mid)
-    return Sample(prompt(low), (value,), depth)
+    return Sample(prompt(low), (value,), round(100 * at(low) / low) if low else 0)
 
 
 def string_match_all(prediction: str, answers: tuple[str, ...]) -> float:
@@ -128,6 +142,9 @@ def run_ruler(generate: Any, encode: Any, tasks: list[str], lengths: list[int],
               samples: int, seed: int = 0) -> dict[str, Any]:
     """Score ``generate(prompt) -> continuation`` on every task and length."""
     words = essay_words() if any(TASKS[t].haystack == "essay" for t in tasks) else None
+    for name in tasks:  # a length too short fails here, not after the others were scored
+        for length in lengths:
+            make_sample(name, length, encode, random.Random(0), words)
     results: dict[str, dict[str, float]] = {}
     with tqdm(total=len(tasks) * len(lengths) * samples, desc="ruler", unit="sample") as bar:
         for name in tasks:
@@ -165,12 +182,13 @@ def add_ruler_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
 
 
 def ruler_command(args: argparse.Namespace) -> int:
-    from nats.atomic_write import atomic_write_bytes
+    from nats.atomic_write import atomic_write_bytes, check_output_file
     from nats.trainers import generate_text, load_tokenizer, resolve_device
     from nats.trainers.sources import load_model
 
     if args.samples < 1 or min(args.lengths) < 1:
         raise ValueError("--samples and --lengths must be >= 1")
+    check_output_file(args.out)
     device = resolve_device(args.device)
     loaded = load_model(args.source, device)
     trained = loaded.train_config.tokenizer if loaded.train_config else None

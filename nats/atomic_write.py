@@ -25,6 +25,13 @@ def _process_umask() -> int:
 _UMASK = _process_umask()
 
 
+def check_output_file(path: str | Path, option: str = "--out") -> None:
+    """Refuse, before any work, an output path that cannot be a file (a folder): a long
+    evaluation should not end in an error at its last write."""
+    if Path(path).is_dir():
+        raise IsADirectoryError(f"{option} {path} is a folder: give a file name")
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers never see a partial file.
 

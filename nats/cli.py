@@ -191,13 +191,12 @@ def _bench_model(args: argparse.Namespace) -> int:
 
 def _bench_attention(args: argparse.Namespace) -> int:
     from nats.evaluation.attention_bench import default_config, run_attention_benchmark
+    from nats.trainers import resolve_device
 
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     config = default_config(
-        device, seq_lens=args.seq_lens, runs=args.runs, recurrent_runs=args.recurrent_runs,
-        recurrent_max_len=args.recurrent_max_len, decode_contexts=args.decode_contexts,
+        str(resolve_device(args.device)), seq_lens=args.seq_lens, runs=args.runs,
+        recurrent_runs=args.recurrent_runs, recurrent_max_len=args.recurrent_max_len,
+        decode_contexts=args.decode_contexts,
         warmup=args.warmup, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
         chunk_size=args.chunk_size, dtype=args.dtype, ops=args.ops)
     run_attention_benchmark(config, args.out)

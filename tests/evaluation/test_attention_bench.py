@@ -86,6 +86,11 @@ def test_bad_values_are_one_line_errors():
                           "cpu", "--runs", "0"], capture_output=True, text=True)
     assert run.returncode == 2
     assert run.stderr.strip() == "nats: error: runs = 0 must be a positive integer"
+    for option, value, message in (("--chunk-size", "0", "chunk_size = 0 must be a positive"),
+                                   ("--device", "bogus", "device 'bogus' is invalid")):
+        run = subprocess.run([sys.executable, "-m", "nats.cli", "bench", "attention",
+                              "--device", "cpu", option, value], capture_output=True, text=True)
+        assert run.returncode == 2 and run.stderr.startswith(f"nats: error: {message}")
     with pytest.raises(ValueError, match="ops"):
         AttentionBenchConfig(device="cpu", seq_lens=(8,), runs=1, recurrent_runs=1,
                              recurrent_max_len=0, decode_contexts=(8,), ops=("mamba",))

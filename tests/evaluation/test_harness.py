@@ -266,11 +266,14 @@ def test_an_unknown_training_task_is_said(tmp_path: Path, capsys) -> None:
     (["{m}", "--batches", "0"], "--batches must be"),
     (["{m}", "--save-model", "{tmp}/c"], "give --calibrate-budget"),
     (["{m}", "--calibrate-budget", "0.3", "--save-model", "{m}"], "not an empty folder"),
+    (["{m}", "--prefill", "64", "0"], "--prefill lengths must be integers >= 1, got [0]"),
+    (["{m}", "--out", "{tmp}"], "is a folder: give a file name"),
 ])
 def test_bad_input_is_one_line(tmp_path: Path, capsys, argv: list[str], message: str) -> None:
     _model().save_pretrained(tmp_path / "m")
     argv = [a.format(tmp=tmp_path, m=tmp_path / "m") for a in argv]
-    assert main(["eval", *argv, "--device", "cpu", "--out", str(tmp_path / "x.json")]) == 2
+    out = [] if "--out" in argv else ["--out", str(tmp_path / "x.json")]
+    assert main(["eval", *argv, "--device", "cpu", *out]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("nats: error:") and message in err
 
@@ -290,8 +293,11 @@ def test_prefill_is_timed_by_the_latency_module_on_the_first_slice(monkeypatch) 
         return real_median(fn, device, *args, **kwargs)
 
     monkeypatch.setattr(nats.latency, "median_ms", recording_median)
+    model.train()  # a model mid-training is evaluated as evaluation sees it, and left training
     report = run_eval(LoadedModel(model, config, "test"), [config], 1, CPU,
                       prefill_lens=[40, 20], show_progress=False)
+    assert model.training
+    model.eval()
     assert [(p["seq_len"], p["batch_size"]) for p in report["prefill"]] == [(40, 1), (20, 1)]
     assert all(p["seconds"] > 0 for p in report["prefill"])
     first = build_batches(config).eval(1)[0][0].flatten()

@@ -66,6 +66,10 @@ def test_the_command_and_its_refusals(tmp_path: Path, capsys) -> None:
     assert main([*args, "--layer-hybrid-shares", "0.25"]) == 2  # under one layer of two
     assert "--layer-hybrid-shares must lie in [1/n_layers, 1] = [0.5, 1]" \
         in capsys.readouterr().err
+    assert main([*args, "--device", "bogus"]) == 2
+    assert "device 'bogus' is invalid" in capsys.readouterr().err
+    assert main(["bench", "decode", "--steps", "0"]) == 2
+    assert "--steps must be integers >= 1, got [0]" in capsys.readouterr().err
     assert main([*args, "--cuda-graph"]) == 2  # graphs replay on a GPU only
     assert "--cuda-graph replays CUDA graphs: it needs --device cuda, got 'cpu'" \
         in capsys.readouterr().err
