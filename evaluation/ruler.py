@@ -142,21 +142,22 @@ def run_ruler(generate: Any, encode: Any, tasks: list[str], lengths: list[int],
               samples: int, seed: int = 0) -> dict[str, Any]:
     """Score ``generate(prompt) -> continuation`` on every task and length."""
     words = essay_words() if any(TASKS[t].haystack == "essay" for t in tasks) else None
-    for name in tasks:  # a length too short fails here, not after the others were scored
+    # Every prompt is built before the first answer: a length too short for one of them
+    # fails here, not after the others were generated.
+    cells = {}
+    for name in tasks:
         for length in lengths:
-            make_sample(name, length, encode, random.Random(0), words)
-    results: dict[str, dict[str, float]] = {}
+            rng = random.Random(f"{seed}-{name}-{length}")
+            cells[name, length] = [make_sample(name, length, encode, rng, words)
+                                   for _ in range(samples)]
+    results: dict[str, dict[str, float]] = {name: {} for name in tasks}
     with tqdm(total=len(tasks) * len(lengths) * samples, desc="ruler", unit="sample") as bar:
-        for name in tasks:
-            results[name] = {}
-            for length in lengths:
-                rng = random.Random(f"{seed}-{name}-{length}")
-                scores = []
-                for _ in range(samples):
-                    sample = make_sample(name, length, encode, rng, words)
-                    scores.append(string_match_all(generate(sample.prompt), sample.answers))
-                    bar.update(1)
-                results[name][str(length)] = sum(scores) / samples
+        for (name, length), cell in cells.items():
+            scores = []
+            for sample in cell:
+                scores.append(string_match_all(generate(sample.prompt), sample.answers))
+                bar.update(1)
+            results[name][str(length)] = sum(scores) / samples
     return {"tasks": results, "samples": samples, "seed": seed}
 
 

@@ -325,8 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser(
         "export", help="write a run's architecture, weights and a README to a model folder")
     export.add_argument("source", metavar="RUN_OR_CHECKPOINT",
-                        help="a run folder (its model/, else its newest checkpoint) or a "
-                             "checkpoint file")
+                        help="a run folder (its model/, else, or when the run was resumed "
+                             "past it, its newest checkpoint) or a checkpoint file")
     export.add_argument("--out", required=True, help="folder to write (absent or empty)")
     export.add_argument("--no-weights", action="store_true",
                         help="write config.json and README.md only")

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,9 +47,11 @@ from .sources import TRAINING_FILE, load_model
 
 README_FILE = "README.md"
 ROUTING_MAP_FILE = "routing_map.png"
-EXPORT_FILES = (CONFIG_FILE, WEIGHTS_FILE, TRAINING_FILE, ROUTING_MAP_FILE, README_FILE)
-"""Every file an export writes (all but the weights and the task are always written)."""
 """The routes of the first evaluation sequence, drawn when a NAtS-L layer was measured."""
+EXPORT_FILES = (CONFIG_FILE, WEIGHTS_FILE, TRAINING_FILE, ROUTING_MAP_FILE, README_FILE)
+"""Every file an export may write (the config and README always)."""
+STAGING_PREFIX = ".nats-export-"
+"""The folder an export is written into before it is moved into place."""
 PLAIN_KIND = {ALL_SOFTMAX: "softmax", ALL_LINEAR: "linear"}
 """The plain layer type that a NAtS-L layer with these routes is exported as."""
 _NAMES = {"nats": "NAtS-L (hybrid)", "softmax": "softmax attention"}
@@ -143,10 +145,16 @@ def export_model(model: NatsForCausalLM, out_dir: str | os.PathLike, *,
     config = trained.replace(layer_types=tuple(converted.get(i, t)
                                                for i, t in enumerate(trained.layer_types)))
     exported, carried, fresh = _carry_weights(model, config, converted, init_seed)
-    # Written into a staging folder beside ``out`` and moved in at the end: an export cut
-    # short (Ctrl-C, a full disk) leaves ``out`` as it was, not half of a model folder.
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".export", dir=out.parent))
+    # Written into a staging folder and moved in at the end: an export cut short (Ctrl-C,
+    # a full disk) leaves no half model folder. The folder sits inside an existing ``out``
+    # (the same file system, whatever ``out`` links to or is mounted on), else beside it.
+    home = out if out.is_dir() else out.parent
+    home.mkdir(parents=True, exist_ok=True)
+    if home == out:  # the staging folders of exports into ``out`` killed outright
+        for stale in out.glob(f"{STAGING_PREFIX}*"):
+            shutil.rmtree(stale, ignore_errors=True)
+    stage = home / f"{STAGING_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+    stage.mkdir()  # the umask's permissions, as the folder it becomes
     try:
         if weights:
             exported.save_pretrained(stage)
@@ -180,11 +188,9 @@ def export_model(model: NatsForCausalLM, out_dir: str | os.PathLike, *,
 
 def _move_in(stage: Path, out: Path) -> None:
     """Put the staged export in place: the whole folder in one rename where ``out`` is
-    absent or empty; over an earlier export (``--force``), file by file, removing the
-    export files this one does not write (weights of another export, its task, its map)."""
-    if out.is_dir() and not any(out.iterdir()):
-        out.rmdir()
-    if not out.exists():
+    absent; into an existing ``out`` file by file, removing the export files this one
+    does not write (weights of another export, its task, its map)."""
+    if not out.is_dir():
         stage.rename(out)
         return
     for name in EXPORT_FILES:
@@ -252,7 +258,8 @@ def check_out_dir(out: Path, force: bool) -> None:
     """``out`` may be absent or an empty folder; a non-empty one only with ``force``."""
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {out} is a file, not a folder")
-    if out.is_dir() and any(out.iterdir()) and not force:
+    if (out.is_dir() and any(not p.name.startswith(STAGING_PREFIX) for p in out.iterdir())
+            and not force):
         raise FileExistsError(f"--out {out} is not empty; choose another folder, or pass "
                               "--force to replace the exported files in it")
 

@@ -130,9 +130,9 @@ def _start_or_resume(config: TrainConfig, resume: bool, model: NatsForCausalLM,
         if (Path(config.out_dir) / TRAIN_CONFIG_FILE).is_file() and not resume:
             # A run that stopped before its first checkpoint: starting another over it would
             # replace its config and mix two runs' logs.
-            raise FileExistsError(f"{config.out_dir} already holds a run that stopped before "
-                                  "its first checkpoint; start it over (--resume) or choose "
-                                  "another output folder (--out)")
+            raise FileExistsError(f"{config.out_dir} already holds a run without a checkpoint "
+                                  "(stopped before its first, or starting elsewhere); start "
+                                  "it over (--resume) or choose another output folder (--out)")
         if resume:
             say(f"nats: {config.out_dir} holds no checkpoint: starting from step 0")
         if config.init_from is not None:

@@ -14,7 +14,12 @@ from safetensors import safe_open
 
 from nats.model import CONFIG_FILE, WEIGHTS_FILE, NatsForCausalLM, read_json_object
 
-from .checkpoint import latest_checkpoint, read_checkpoint_meta, read_checkpoint_tensors
+from .checkpoint import (
+    CorruptCheckpoint,
+    latest_checkpoint,
+    read_checkpoint_meta,
+    read_checkpoint_tensors,
+)
 from .config import TRAIN_CONFIG_FILE, TrainConfig
 
 TRAINING_FILE = "training.json"
@@ -73,11 +78,16 @@ def _load_run(path: Path, device: str | torch.device) -> LoadedModel:
             raise ValueError(f"{model_dir} holds another model than {path / TRAIN_CONFIG_FILE} "
                              "describes")
         same = _holds_weights(newest, model) if newest is not None else None
+        when = "final model"
         if same is False and (newest.stat().st_mtime
                               > (model_dir / WEIGHTS_FILE).stat().st_mtime):
-            return _load_checkpoint(newest, device,
-                                    origin=f"run {path} (newest checkpoint, newer than model/)")
-        when = f"step {read_checkpoint_meta(newest)['step']}" if same else "final model"
+            try:
+                return _load_checkpoint(
+                    newest, device, origin=f"run {path} (newest checkpoint, newer than model/)")
+            except CorruptCheckpoint as e:  # the newer model is lost; model/ is whole
+                when = f"final model; the newer {newest.name} is damaged: {e}"
+        elif same:
+            when = f"step {read_checkpoint_meta(newest)['step']}"
         return LoadedModel(model.eval(), train_config, f"run {path} (model/, {when})")
     if newest is None:
         raise ValueError(f"{path} holds no trained model: neither model/ nor a checkpoint")

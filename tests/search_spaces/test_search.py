@@ -176,7 +176,8 @@ def test_a_trial_whose_worker_dies_is_retried(tmp_path: Path, local_ray, capsys,
                 record = json.loads(path.read_text())
                 saved = path.parent / "checkpoints" / "step_00000150.safetensors"
                 started = (path.parent / "train_config.json").exists()
-                ready = saved.exists() if checkpointed else started
+                unsaved = not list((path.parent / "checkpoints").glob("*.safetensors"))
+                ready = saved.exists() if checkpointed else started and unsaved
                 if ready and record["status"] == "running":
                     os.kill(record["pid"], signal.SIGKILL)
                     killed.append(record["pid"])

@@ -194,7 +194,7 @@ def test_a_run_stopped_before_its_first_checkpoint_is_kept_or_started_over(
     with SummaryWriter(str(out)) as old:
         for step in range(6):
             old.add_scalar("train/loss", 99.0, step)
-    with pytest.raises(FileExistsError, match=r"stopped before its first checkpoint.*--resume"):
+    with pytest.raises(FileExistsError, match=r"a run without a checkpoint .*--resume"):
         train(config)
     train(config, resume=True)
     events = EventAccumulator(str(out), size_guidance={"scalars": 0})

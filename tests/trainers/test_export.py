@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -341,8 +342,6 @@ def test_a_run_resumed_past_its_model_folder_exports_its_newest_checkpoint(
         run: Path, tmp_path: Path) -> None:
     """A finished run resumed for more steps and stopped: its ``model/`` is the earlier
     end, its newest checkpoint (other weights, written later) the model."""
-    import os
-
     from nats.trainers.checkpoint import save_checkpoint
     from nats.trainers.optim import build_optimizer
 
@@ -399,3 +398,35 @@ def test_damaged_sources_are_refused_in_one_line(run: Path, tmp_path: Path) -> N
     assert result.origin == f"run {cut} (model/, final model)"
     for name in "abc":
         assert not (tmp_path / name).exists()
+
+    flipped_run = tmp_path / "flipped-run"  # a damaged newer checkpoint: model/ is whole
+    shutil.copytree(run, flipped_run)
+    newest = latest_checkpoint(flipped_run)
+    data = bytearray(newest.read_bytes())
+    header = int.from_bytes(data[:8], "little")
+    begin, _ = json.loads(data[8:8 + header])["model/norm.weight"]["data_offsets"]
+    data[8 + header + begin + 1] ^= 0x40  # a model weight, so it differs from model/'s
+    newest.write_bytes(bytes(data))
+    weights = flipped_run / "model" / "model.safetensors"
+    os.utime(newest, (weights.stat().st_atime, weights.stat().st_mtime + 10))
+    result = export_architecture(flipped_run, tmp_path / "e", eval_batches=0)
+    assert "step_00000004.safetensors is damaged" in result.origin
+    assert torch.equal(_logits(NatsForCausalLM.from_pretrained(tmp_path / "e"), run),
+                       _logits(NatsForCausalLM.from_pretrained(run / "model"), run))
+
+
+def test_an_export_folder_is_made_as_mkdir_makes_one_and_kept_when_given(
+        run: Path, tmp_path: Path) -> None:
+    """A new ``--out`` gets the umask's permissions; an existing one (here 0750, behind a
+    symbolic link) keeps its own and receives the files."""
+    (tmp_path / "plain").mkdir()
+    export_architecture(run, tmp_path / "new", eval_batches=0)
+    assert (tmp_path / "new").stat().st_mode & 0o777 == \
+        (tmp_path / "plain").stat().st_mode & 0o777
+    (tmp_path / "given").mkdir(mode=0o750)
+    (tmp_path / "given").chmod(0o750)
+    (tmp_path / "link").symlink_to(tmp_path / "given")
+    export_architecture(run, tmp_path / "link", eval_batches=0)
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "given").stat().st_mode & 0o777 == 0o750
+    assert sorted(p.name for p in (tmp_path / "given").iterdir()) == \
+        ["README.md", "config.json", "model.safetensors", "training.json"]
