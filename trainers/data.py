@@ -18,7 +18,7 @@ import torch
 
 from .config import TrainConfig
 from .synthetic import Batch
-from .text_data import StreamWindows, load_text_sources, resolve_corpus
+from .text_data import StreamWindows, TokenWindows, load_text_sources, resolve_corpus
 from .tokenization import load_tokenizer
 
 
@@ -76,7 +76,7 @@ class Batches:
         """``count`` batches of the evaluation task that evaluation never reads (a stream of
         their own), to fit something to the evaluated data without tuning on it. Text has
         no second held-out stream: its training windows serve."""
-        if isinstance(self.eval_source, StreamWindows):
+        if isinstance(self.eval_source, (TokenWindows, StreamWindows)):
             return [self.train(step) for step in range(count)]
         return [self.eval_source.sample(self.batch_size,
                                         stream_generator(self.eval_seed, "calibration", i))

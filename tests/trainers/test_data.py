@@ -132,6 +132,10 @@ def test_text_files_are_documents_split_by_file_name(micro: MicroConfig, tmp_pat
     assert batches.bytes_per_token == 1.0
     x, y = batches.train(0)
     assert x.shape == (2, 8) and torch.equal(x, y)
+    # Calibration fits to what evaluation does not read: text has no second held-out
+    # split, so the training windows serve.
+    assert all(torch.equal(c[0], batches.train(i)[0])
+               for i, c in enumerate(batches.calibration(3)))
     stream = bytes(batches.train_source.data.tolist())
     assert all(bytes(row) in stream for row in x.tolist())
     # The split of a file depends on its name only, not on the other files.
