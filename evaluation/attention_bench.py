@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from nats.config import LINEAR_OPS
+from nats.config import LINEAR_OPS, whole_at_least
 from nats.kernels.linear_ops import LINEAR_OP_SPECS
 from nats.layers.linear_ops import LinearOperator, TokenGates
 
@@ -65,13 +65,13 @@ class AttentionBenchConfig:
         positive = ("runs", "recurrent_runs", "batch", "heads", "head_dim", "chunk_size")
         for name in positive:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not whole_at_least(value):
                 raise ValueError(f"{name} = {value!r} must be a positive integer")
         if self.warmup < 0 or self.recurrent_max_len < 0:
             raise ValueError("warmup and recurrent_max_len must be >= 0")
         for name in ("seq_lens", "decode_contexts"):
             values = getattr(self, name)
-            if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
+            if not values or any(not whole_at_least(v)
                                  for v in values):
                 raise ValueError(f"{name} = {list(values)} must be positive integers")
         if self.dtype not in DTYPES:

@@ -90,7 +90,7 @@ def eval_command(args: argparse.Namespace) -> int:
 
     check_eval_arguments(args.batches, args.prefill, args.out)
 
-    for name in ("batches", "batch_size", "train_seq_len"):
+    for name in ("batch_size", "train_seq_len"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")

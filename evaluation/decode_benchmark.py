@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from nats.atomic_write import atomic_write_bytes
-from nats.config import NatsConfig
+from nats.config import NatsConfig, whole_at_least
 from nats.cuda_graph import GraphedDecoder
 from nats.model import NatsForCausalLM
 
@@ -61,7 +61,7 @@ def time_decode(model: NatsForCausalLM, context: int, steps: int, device: torch.
 def run_decode_benchmark(contexts: tuple[int, ...], fractions: tuple[float, ...], steps: int,
                          out_json: Path | None) -> list[dict]:
     for name, values in (("--context", contexts), ("--steps", (steps,))):
-        if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+        if any(not whole_at_least(v) for v in values):
             raise ValueError(f"{name} must be integers >= 1, got {list(values)}")
     if not torch.cuda.is_available():
         raise ValueError("nats bench decode needs a CUDA GPU")

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from nats import NatsForCausalLM
 from nats.atomic_write import atomic_write_bytes, check_output_file
+from nats.config import whole_at_least
 from nats.cost_model import IMPLIED_FRACTION, architecture_cost
 from nats.eval_mode import eval_mode
 from nats.latency import prefill_latency_ms
@@ -140,9 +141,9 @@ def prefill_seconds(model: NatsForCausalLM, config: TrainConfig, seq_len: int,
 def check_eval_arguments(batches: int, prefill_lens: Sequence[int],
                          out: str | Path | None) -> None:
     """What :func:`run_eval` is given, checked before any work (one-line errors)."""
-    if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
+    if not whole_at_least(batches):
         raise ValueError(f"--batches must be an integer >= 1, got {batches!r}")
-    bad = [n for n in prefill_lens if isinstance(n, bool) or not isinstance(n, int) or n < 1]
+    bad = [n for n in prefill_lens if not whole_at_least(n)]
     if bad:
         raise ValueError(f"--prefill lengths must be integers >= 1, got {bad}")
     if out is not None:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from nats.config import whole_at_least
 from nats.trainers import load_tokenizer, resolve_device
 from nats.trainers.sources import load_model
 
@@ -59,7 +60,7 @@ Pair = tuple[Any, list[int], list[int]]
 def _positive_int(name: str, value: int | str) -> int:
     """``value`` as a whole number >= 1 (lm_eval's command line passes strings)."""
     number = int(value) if isinstance(value, str) and value.strip().isdigit() else value
-    if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+    if not whole_at_least(number):
         raise ValueError(f"NatsLM: {name} must be a whole number >= 1, got {value!r}")
     return number
 

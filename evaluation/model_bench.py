@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from nats.atomic_write import atomic_write_bytes
-from nats.config import NatsConfig
+from nats.config import NatsConfig, whole_at_least
 from nats.cuda_graph import warm_then_capture
 from nats.latency import median_ms
 from nats.model import NatsForCausalLM
@@ -83,11 +83,11 @@ class ModelBenchConfig:
         for name in ("d_model", "n_layers", "n_heads", "head_dim", "vocab_size", "chunk_size",
                      "train_tokens", "decode_steps", "repeats"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not whole_at_least(value):
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, "
                                  f"got {value!r}")
         for name in ("train_lens", "prefill_lens", "decode_contexts"):
-            if any(isinstance(v, bool) or not isinstance(v, int) or v < 1
+            if any(not whole_at_least(v)
                    for v in getattr(self, name)):
                 raise ValueError(f"--{name.replace('_', '-')} must be integers >= 1")
         for name in ("compile", "cuda_graph"):

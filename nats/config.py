@@ -348,6 +348,12 @@ def fail(owner: str, name: str, value: Any, allowed: str) -> NoReturn:
     raise ConfigError(f"{owner}.{name} = {value!r} is invalid: must be {allowed}")
 
 
+def whole_at_least(value: Any, least: int = 1) -> bool:
+    """An ``int`` (not a bool, which JSON ``true`` would be) >= ``least``: the check of
+    every count a config or command takes."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
 def _positive_finite(value: Any) -> bool:
     """A number (not a bool, which JSON ``true`` would be) in (0, inf)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) \

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from nats.atomic_write import atomic_write_bytes
+from nats.config import whole_at_least
 from nats.folder_lock import exclusive
 from nats.trainers import TrainConfig
 
@@ -82,7 +83,7 @@ class SearchSettings:
             raise ValueError(f"--sampler {self.sampler!r}: must be one of {SAMPLERS}")
         for name in ("context", "latency_len", "num_trials", "max_concurrent"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not whole_at_least(value):
                 raise ValueError(f"--{name.replace('_', '-')} {value!r}: must be an "
                                  "integer >= 1")
         if isinstance(self.max_failures, bool) or not isinstance(self.max_failures, int) \

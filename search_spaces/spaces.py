@@ -44,6 +44,7 @@ from nats.config import (
     SOFTMAX_QKVS,
     ConfigError,
     canonical_layer_type,
+    whole_at_least,
 )
 from nats.kernels.linear_ops import LINEAR_OP_SPECS
 from nats.kernels.reference.chunks import CHUNK_SIZES
@@ -269,7 +270,7 @@ def _check_value(where: str, key: str, value: Any, bound: bool = False) -> None:
             raise _err(where, f"params.{key}", value, f"{what} from {allowed}")
     elif key in INT_PARAMS:
         least = 0 if key == "warmup_steps" else 1
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        if not whole_at_least(value, least):
             raise _err(where, f"params.{key}", value, f"integers >= {least}")
     elif key == "softmax_target":
         if not _number(value) or not 0 < value < 1:
@@ -347,7 +348,7 @@ def _layers(where: str, spec: Any) -> LayerMix:
     if "every" in keys and keys <= set(LAYER_KEYS_PATTERN):
         every = spec["every"]
         every_list = every if isinstance(every, list) else [every]
-        if not every_list or any(isinstance(k, bool) or not isinstance(k, int) or k < 1
+        if not every_list or any(not whole_at_least(k)
                                  for k in every_list):
             raise _err(where, "params.layers.every", every, "integers >= 1 (or a list of them)")
         kind = spec.get("kind", "nats")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from nats.config import ConfigError, NatsConfig, fail, reject_unknown_fields
+from nats.config import ConfigError, NatsConfig, fail, reject_unknown_fields, whole_at_least
 from nats.model import read_json_object
 
 from .checkpoint import newest_readable
@@ -155,11 +155,11 @@ class TrainConfig:
                      "log_interval", "checkpoint_interval", "keep_checkpoints", "copy_symbols",
                      "mqar_pairs", "grad_accum_steps", "needle_key_len"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not whole_at_least(value):
                 _fail(name, value, "an integer >= 1")
         for name in ("warmup_steps", "seed", "eval_seed", "needle_distractors"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not whole_at_least(value, 0):
                 _fail(name, value, "an integer >= 0")
         for name in ("lr", "grad_clip", "budget_rate", "router_lr_scale"):
             value = getattr(self, name)

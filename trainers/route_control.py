@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from nats import NatsForCausalLM
+from nats.config import whole_at_least
 from nats.eval_mode import eval_mode
 
 from .config import TrainConfig
@@ -157,7 +158,7 @@ def split_budget(model: NatsForCausalLM, batches: Sequence[tuple[torch.Tensor, t
     in ``loss + price * share``.
     """
     _check_fraction(target, closed=False)
-    if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
+    if not whole_at_least(levels):
         raise ValueError(f"levels must be an integer >= 1, got {levels!r}")
     if unit not in ("layer", "head"):
         raise ValueError(f"unit must be 'layer' or 'head', got {unit!r}")

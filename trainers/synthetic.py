@@ -12,7 +12,7 @@ from typing import ClassVar, NoReturn
 
 import torch
 
-from nats.config import fail
+from nats.config import fail, whole_at_least
 from nats.model import IGNORE_INDEX
 
 from .text import stdlib_bytes
@@ -335,7 +335,7 @@ def _fail(task: object, name: str, allowed: str) -> NoReturn:
 
 def _check_int(task: object, name: str, least: int) -> None:
     value = getattr(task, name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+    if not whole_at_least(value, least):
         _fail(task, name, f"an integer >= {least}")
 
 
