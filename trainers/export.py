@@ -204,9 +204,8 @@ def _draw_routes(model: NatsForCausalLM, batch: Batch | torch.Tensor | None,
                  path: Path) -> Path | None:
     """Draw the trained model's routes of ``batch``'s first sequence to ``path`` (the
     picture of what it learned to keep in the KV cache); without a NAtS-L layer or a batch,
-    remove a stale picture of an earlier export and return ``None``."""
+    nothing (``_move_in`` then removes an earlier export's picture)."""
     if batch is None or "nats" not in model.config.layer_types:
-        path.unlink(missing_ok=True)
         return None
     ids = (batch[0] if isinstance(batch, (tuple, list)) else batch)[:1]
     with eval_mode(model), torch.no_grad():
