@@ -26,7 +26,6 @@ import common
 
 from nats.config import BRANCH_NORMS
 from nats.search_spaces.builtin import search_base
-from nats.trainers import train
 
 KEYS = ("eval/acc", "eval/loss", "eval/route_frac", "eval/route_informative/layer0",
         "eval/route_filler/layer0", "eval/route_informative/layer1", "eval/route_filler/layer1")
@@ -38,7 +37,7 @@ def run(norm: str, seed: int, out: Path, gain: float | None) -> dict[str, float 
     name = norm if gain is None else f"{norm}-gain{gain:g}"
     config = base.replace(model=model, device="cpu", seed=seed,
                           out_dir=str(out / f"{name}-seed{seed}"))
-    metrics = train(config).eval_metrics
+    metrics = common.train_row(config)
     return {"branch_norm": norm, "softmax_gain_init": gain, "seed": seed,
             **{k: metrics[k] for k in KEYS}}
 

@@ -170,11 +170,8 @@ def train_and_eval(config: TrainConfig, arch: str, settings: dict[str, Any],
     with _console_to(console), routes_forced(arch.partition(":")[2]):
         config = with_settings(with_row(config, arch), settings).replace(device=str(device))
         started = time.monotonic()
-        result = train(config, resume=True)
+        result = train_to_end(config)
         train_seconds = time.monotonic() - started
-        if result.interrupted:
-            raise KeyboardInterrupt(f"{config.out_dir} interrupted at step {result.step}; the "
-                                    "same command resumes it")
         loaded = LoadedModel(result.model.eval(), config, f"run {config.out_dir}")
         show = console is None
         validation = run_eval(loaded, [config], eval_batches, device, show_progress=show)
@@ -186,6 +183,33 @@ def train_and_eval(config: TrainConfig, arch: str, settings: dict[str, Any],
                   final_train_loss=result.train_losses[-1] if result.train_losses else None)
     _write_report(out, report)
     return report
+
+
+def train_to_end(config: TrainConfig) -> loop.TrainResult:
+    """Train ``config``, resuming its folder from the newest checkpoint an earlier call left;
+    an interruption (Ctrl-C: the trainer checkpoints and returns) raises
+    ``KeyboardInterrupt``, so that no caller reports a half-trained model."""
+    result = train(config, resume=True)
+    if result.interrupted:
+        raise KeyboardInterrupt(f"{config.out_dir} interrupted at step {result.step}; the "
+                                "same command resumes it")
+    return result
+
+
+ROW_METRICS_FILE = "eval_metrics.json"
+"""A finished row's final evaluation, in its run folder (:func:`train_row`)."""
+
+
+def train_row(config: TrainConfig) -> dict[str, float]:
+    """The final evaluation metrics of ``config``'s run: read back from its folder when an
+    earlier call finished it, else trained (resumed where an earlier call was cut short), so
+    that rerunning a script goes on where it stopped instead of being refused."""
+    done = Path(config.out_dir) / ROW_METRICS_FILE
+    if done.is_file():
+        return json.loads(done.read_text())
+    metrics = train_to_end(config).eval_metrics
+    atomic_write_bytes(done, (json.dumps(metrics, indent=1) + "\n").encode())
+    return metrics
 
 
 def with_row(config: TrainConfig, arch: str) -> TrainConfig:
@@ -222,7 +246,8 @@ def _console_to(path: Path | None) -> Iterator[None]:
         yield
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+    # Appended: a resumed run's log keeps what the interrupted call wrote.
+    with path.open("a") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
         yield
 
 

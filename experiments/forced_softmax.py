@@ -26,7 +26,6 @@ import torch
 
 from nats.layers import nats_attention
 from nats.search_spaces.builtin import search_base
-from nats.trainers import train
 
 ROWS = ("softmax", "natsl-forced", "natsl-forced-direct")
 
@@ -49,7 +48,7 @@ def run(row: str, seed: int, out: Path) -> dict[str, float]:
         nats_attention.NatsAttention._merge = _softmax_branch_only
     try:
         with common.routes_forced("softmax" if layer == "nats" else "none"):
-            metrics = train(config).eval_metrics
+            metrics = common.train_row(config)
     finally:
         nats_attention.NatsAttention._merge = merge
     return {"row": row, "seed": seed, "acc": metrics["eval/acc"], "loss": metrics["eval/loss"]}

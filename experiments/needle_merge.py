@@ -58,7 +58,7 @@ import nats.trainers.loop as loop
 from nats.layers import nats_attention
 from nats.layers.norms import upcast
 from nats.layers.projections import QKVProjection
-from nats.trainers import TrainConfig, train
+from nats.trainers import TrainConfig
 
 Merge = Callable[..., torch.Tensor]
 DEFAULT_MERGE: Merge = nats_attention.NatsAttention._merge
@@ -191,7 +191,7 @@ def run(row: str, seed: int, out: Path, scale: str = "cpu",
     if row.endswith("anneal"):
         cfg = cfg.replace(budget_anneal=0.5)
     with common._console_to(folder.with_suffix(".log")), _row_patches(row, cfg.steps):
-        metrics = train(cfg).eval_metrics
+        metrics = common.train_row(cfg)
     return {"row": row, "seed": seed, "scale": scale, "loss": metrics["eval/loss"],
             "digits": metrics["eval/acc"], "answers": metrics["eval/seq_acc"],
             "route_share": metrics.get("eval/route_frac"),

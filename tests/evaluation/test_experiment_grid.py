@@ -180,6 +180,33 @@ def test_an_interrupted_run_writes_no_report_and_resumes(tmp_path: Path,
     assert _json(tmp_path / f"{tag}.json")["steps"] == 10
 
 
+def test_a_script_row_resumes_after_an_interruption_and_is_read_back_once_done(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``train_row`` (the one-row-per-seed scripts): a row cut short is continued by the
+    next call from its checkpoint, not refused; a finished row is not trained again."""
+    real_train = common.train
+    config = _base().replace(out_dir=str(tmp_path / "row"))
+
+    def cut_short(config: TrainConfig, **kwargs: Any):
+        result = real_train(config.replace(steps=5), **kwargs)
+        return dataclasses.replace(result, interrupted=True)
+
+    monkeypatch.setattr(common, "train", cut_short)
+    with pytest.raises(KeyboardInterrupt, match="interrupted at step 5"):
+        common.train_row(config)
+    assert not (tmp_path / "row" / common.ROW_METRICS_FILE).exists()
+
+    monkeypatch.setattr(common, "train", real_train)
+    metrics = common.train_row(config)
+    assert list_checkpoints(tmp_path / "row")[-1][0] == 10 and 0 <= metrics["eval/acc"] <= 1
+
+    def no_training(*_: Any, **__: Any) -> None:
+        raise AssertionError("a finished row was trained again")
+
+    monkeypatch.setattr(common, "train", no_training)
+    assert common.train_row(config) == metrics
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_stops_the_workers_with_a_checkpoint(tmp_path: Path, sig: signal.Signals,
                                                       ) -> None:
