@@ -201,10 +201,10 @@ class NatsConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 _fail(name, value, "a positive integer")
         for name in ("gumbel_tau", "mlp_ratio", "norm_eps", "rope_theta", "initializer_range"):
-            if not _positive_finite(getattr(self, name)):
+            if not positive_finite(getattr(self, name)):
                 _fail(name, getattr(self, name), "a positive finite number")
         gain = self.softmax_gain_init
-        if gain is not None and not _positive_finite(gain):
+        if gain is not None and not positive_finite(gain):
             _fail("softmax_gain_init", gain, "null (no gain) or a positive finite number")
         if not isinstance(self.reg_lambda, (int, float)) or not 0 <= self.reg_lambda < math.inf:
             _fail("reg_lambda", self.reg_lambda, "a finite number >= 0")
@@ -354,7 +354,7 @@ def whole_at_least(value: Any, least: int = 1) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
-def _positive_finite(value: Any) -> bool:
+def positive_finite(value: Any) -> bool:
     """A number (not a bool, which JSON ``true`` would be) in (0, inf)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) \
         and math.isfinite(value) and value > 0

@@ -36,6 +36,7 @@ except ImportError as error:
 
 from .cache import HybridCache
 from .config import HF_KEYS, LAYER_LISTS, NatsConfig
+from .eval_mode import eval_mode
 from .model import NatsForCausalLM
 
 NATS_FIELDS = tuple(f.name for f in dataclasses.fields(NatsConfig))
@@ -226,15 +227,18 @@ class NatsHFForCausalLM(PreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(logits=self._cached_logits(input_ids, cache), cache=cache)
 
     def _cached_logits(self, input_ids: torch.Tensor, cache: NatsCache) -> torch.Tensor:
-        """Logits ``[B, T, V]`` of tokens that follow ``cache``, which they advance."""
-        if cache.hybrid is None:
-            logits, cache.hybrid = self.native.prefill(input_ids)
-            return logits
-        if input_ids.shape[0] != cache.batch_size:
+        """Logits ``[B, T, V]`` of tokens that follow ``cache``, which they advance; in
+        evaluation mode, as the native ``generate`` decodes (argmax routes, the routing
+        statistics untouched)."""
+        if cache.hybrid is not None and input_ids.shape[0] != cache.batch_size:
             raise ValueError(f"the cache holds {cache.batch_size} rows, input_ids "
                              f"{input_ids.shape[0]}")
-        return torch.stack([self.native.decode_step(token, cache.hybrid)
-                            for token in input_ids.unbind(1)], 1)
+        with eval_mode(self.native):
+            if cache.hybrid is None:
+                logits, cache.hybrid = self.native.prefill(input_ids)
+                return logits
+            return torch.stack([self.native.decode_step(token, cache.hybrid)
+                                for token in input_ids.unbind(1)], 1)
 
 
 def register() -> None:

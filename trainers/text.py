@@ -59,7 +59,8 @@ def _stdlib_fingerprint() -> tuple[tuple[str, Any], ...]:
 def generate_text(model: NatsForCausalLM, prompt: str, max_new_tokens: int,
                   tokenizer: Tokenizer | None = None, **sampling: Any) -> str:
     """The continuation of ``prompt`` (see ``NatsForCausalLM.generate``), tokenized as the
-    model was trained: UTF-8 bytes by default, else ``tokenizer``."""
+    model was trained: UTF-8 bytes by default, else ``tokenizer``; only ids the tokenizer
+    can decode are generated (a model's vocabulary may hold more, e.g. a task's markers)."""
     tokenizer = tokenizer or ByteTokenizer()
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"this model has vocab_size={model.config.vocab_size}, fewer than the "
@@ -70,5 +71,6 @@ def generate_text(model: NatsForCausalLM, prompt: str, max_new_tokens: int,
         raise ValueError("the prompt is empty: generation needs at least one token")
     device = next(model.parameters()).device
     prompt_ids = torch.tensor([ids], device=device)
-    out = model.generate(prompt_ids, max_new_tokens, **sampling)
+    out = model.generate(prompt_ids, max_new_tokens, vocab_limit=tokenizer.vocab_size,
+                         **sampling)
     return tokenizer.decode(out[0, len(ids):].tolist())

@@ -154,12 +154,64 @@ def test_sampling_is_reproducible_and_respects_top_k():
     assert torch.equal(sample(7, 1), model.generate(prompt, 20))  # top-1 sampling is greedy
 
 
+def test_a_tiny_temperature_samples_the_argmax():
+    """Scaled after the shift to a maximum of 0: a tiny temperature is greedy, not NaN."""
+    model = tiny_model(("nats",))
+    prompt = torch.randint(0, 50, (3, 7), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(model.generate(prompt, 6, do_sample=True, temperature=1e-40,
+                                      generator=torch.Generator().manual_seed(0)),
+                       model.generate(prompt, 6))
+
+
+def test_generated_ids_stay_below_the_vocab_limit():
+    """A tokenizer smaller than the model's vocabulary can decode everything generated,
+    greedy or sampled, also where the model prefers the ids past it."""
+    from nats.trainers import generate_text
+    from nats.trainers.tokenization import ByteTokenizer
+
+    model = tiny_model(("nats",), dtype=torch.float32, vocab_size=300)
+    with torch.no_grad():
+        model.lm_head.weight[256:] *= 50  # ids past the bytes' dominate the logits
+    prompt = torch.tensor([list(b"abc")])
+    assert (model.generate(prompt, 20)[0, 3:] >= 256).any()  # the limit matters here
+    for sampling in ({}, {"do_sample": True, "generator": torch.Generator().manual_seed(1)}):
+        out = model.generate(prompt, 20, vocab_limit=256, **sampling)[0, 3:]
+        assert out.max() < 256 and len(out) == 20
+    text = generate_text(model, "abc", 20, do_sample=True,
+                         generator=torch.Generator().manual_seed(1))
+    assert text == ByteTokenizer().decode(
+        model.generate(prompt, 20, vocab_limit=256, do_sample=True,
+                       generator=torch.Generator().manual_seed(1))[0, 3:].tolist())
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"temperature": 0.0}, "temperature must be a finite number > 0, got 0.0"),
+    ({"temperature": float("nan")}, "temperature must be a finite number > 0, got nan"),
+    ({"top_k": 0}, "top_k must be an integer >= 1 or None, got 0"),
+    ({"vocab_limit": 51}, r"vocab_limit must be an integer in \[1, 50\]"),
+    ({"max_prompt_tokens": -3}, "max_prompt_tokens must be an integer >= 1 or None, got -3"),
+    ({"max_new_tokens": -1}, "max_new_tokens must be an integer >= 0, got -1"),
+])
+def test_generate_checks_its_settings_before_any_work(kwargs, message, monkeypatch):
+    """Whether or not it samples, and with no token to generate: a setting no token could be
+    generated with is refused before the prefill runs."""
+    model = tiny_model(("nats",))
+
+    def no_prefill(*_):
+        raise AssertionError("the prefill ran")
+
+    monkeypatch.setattr(model, "prefill", no_prefill)
+    new = kwargs.pop("max_new_tokens", 0)
+    for do_sample in (False, True):
+        with pytest.raises(ValueError, match=message):
+            model.generate(torch.zeros(1, 2, dtype=torch.long), new, do_sample=do_sample,
+                           **kwargs)
+
+
 def test_generate_rejects_bad_arguments():
     model = tiny_model(("nats",))
     with pytest.raises(ValueError, match="non-empty"):
         model.generate(torch.zeros(1, 0, dtype=torch.long), 3)
-    with pytest.raises(ValueError, match="temperature"):
-        model.generate(torch.zeros(1, 2, dtype=torch.long), 3, do_sample=True, temperature=0.0)
     with pytest.raises(ValueError, match="5 tokens, more than the limit of 4"):
         model.generate(torch.zeros(1, 5, dtype=torch.long), 3, max_prompt_tokens=4)
     assert model.generate(torch.zeros(1, 4, dtype=torch.long), 3, max_prompt_tokens=4).shape \

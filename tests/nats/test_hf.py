@@ -120,6 +120,22 @@ def test_budgeted_model_generates_as_natively(tmp_path):
     assert torch.equal(out, generate(model, prompt, 30))
 
 
+def test_generate_in_training_mode_decodes_as_in_evaluation():
+    """The cached path decodes with argmax routes and leaves the routing statistics (pending
+    sums of a training forward included) as they were, as the native ``generate`` does."""
+    model = tiny_model(("nats", "nats"), dtype=torch.float32, branch_norm="scaled")
+    prompt = ids(2, 21)
+    expected = generate(model.eval(), prompt, 12)
+    hf = NatsHFForCausalLM.from_native(model).train()
+    model(prompt)  # a training forward: its sums wait for the next optimizer step
+    stats = [m for m in model.modules() if getattr(m, "pending", None) is not None]
+    pending = [m.pending.clone() for m in stats]
+    assert pending and all(p[0] > 0 for p in pending)
+    assert torch.equal(hf.generate(prompt, max_new_tokens=12, do_sample=False), expected)
+    assert model.training
+    assert all(torch.equal(m.pending, p) for m, p in zip(stats, pending, strict=True))
+
+
 def test_generate_continues_a_cache_it_is_given():
     model = tiny_model(("nats", "linear", "softmax"), dtype=torch.float32)
     hf = NatsHFForCausalLM.from_native(model)
