@@ -16,6 +16,9 @@ import base64
 import html
 import json
 import os
+import re
+import secrets
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +27,9 @@ from typing import Any
 import torch
 from PIL import Image
 
+from nats.atomic_write import atomic_write_bytes
 from nats.cost_model import compare_costs, fractions_from_measurement
+from nats.eval_mode import eval_mode
 from nats.plotting import format_si, format_tokens, histogram, save_png
 from nats.trainers.evaluation import RelevantFn
 from nats.trainers.routing_maps import routing_figure
@@ -36,6 +41,9 @@ from .token_view import TOKEN_VIEW_CSS, token_pieces, token_view_html, token_vie
 REPORT_FILE = "report.html"
 MAX_TEXT_TOKENS = 1024
 """A ``--text`` input is cut to this many tokens (the token view shows every one)."""
+BYTE_VOCAB_LIMIT = 512
+"""A model folder without its run is taken to read UTF-8 bytes (without ``--tokenizer``)
+only below this vocabulary: 256 bytes and a task's few markers (the needle task's 266)."""
 TABLE_CONTEXTS = (1024, 4096, 16384, 65536, 262144, 1048576)
 """Context lengths of the cost table (the picture shows 1K .. 1M in powers of two)."""
 
@@ -67,7 +75,7 @@ class ModelInput:
     display_relevant: list[bool] | None = None
 
 
-def _text_batches(text: str, tokenizer: Any, vocab_size: int,
+def _text_batches(text: str, tokenizer: Any, vocab_size: int, what: str,
                   ) -> tuple[torch.Tensor, str]:
     ids = tokenizer.encode(text)[:MAX_TEXT_TOKENS]
     if not ids:
@@ -76,7 +84,7 @@ def _text_batches(text: str, tokenizer: Any, vocab_size: int,
         raise ValueError(f"--text: the model's vocabulary has {vocab_size} tokens, the text's "
                          f"tokens reach {max(ids)}; give the tokenizer the model was trained "
                          "with (--tokenizer)")
-    return torch.tensor(ids), f"the given text ({len(ids)} tokens)"
+    return torch.tensor(ids), f"{what} ({len(ids)} tokens)"
 
 
 def load_model_input(source: str | os.PathLike, *, text: str | None = None,
@@ -101,13 +109,20 @@ def load_model_input(source: str | os.PathLike, *, text: str | None = None,
     if loaded.train_config is None:
         model = loaded.model
         tok = load_tokenizer(tokenizer)
+        vocab = model.config.vocab_size
+        if tokenizer is None and vocab >= BYTE_VOCAB_LIMIT:
+            raise ValueError(f"{source} is a model with a {vocab}-token vocabulary, not of "
+                             "UTF-8 bytes, and no evaluation data: give --tokenizer (the "
+                             "tokenizer.json it was trained with), or analyse its run folder")
         if text is None:
-            if model.config.vocab_size < 256 and tokenizer is None:
-                raise ValueError(f"{source} is a model with a {model.config.vocab_size}-token "
-                                 "vocabulary and no evaluation data: give --text with "
-                                 "--tokenizer, or analyse its run folder")
-            text = default_text()
-        ids, described = _text_batches(text, tok, model.config.vocab_size)
+            if vocab < 256 and tokenizer is None:
+                raise ValueError(f"{source} is a model with a {vocab}-token vocabulary and "
+                                 "no evaluation data: give --text with --tokenizer, or "
+                                 "analyse its run folder")
+            text, what = default_text(), "English prose from Python's documentation"
+        else:
+            what = "the given text"
+        ids, described = _text_batches(text, tok, vocab, what)
         return ModelInput(model, loaded.origin,
                           [(ids[None], torch.full_like(ids[None], -100))], described, ids, True,
                           tok)
@@ -121,7 +136,7 @@ def load_model_input(source: str | os.PathLike, *, text: str | None = None,
     tok = load_tokenizer(tc.tokenizer) if tc.task == "text" else None
     if text is not None:
         tok = tok or load_tokenizer(tokenizer)
-        ids, _ = _text_batches(text, tok, tc.model.vocab_size)
+        ids, _ = _text_batches(text, tok, tc.model.vocab_size, "the given text")
         return ModelInput(loaded.model, loaded.origin, eval_batches, described, ids,
                           False, tok, relevant)
     ids, labels = eval_batches[0]
@@ -282,7 +297,7 @@ def model_sections(report: Report, inp: ModelInput, prefix: str = "",
         routes = [r[:1] if r is not None else None for r in out.routes]
         probs = [p[:1] if p is not None else None for p in out.probs]
     else:
-        with torch.no_grad():
+        with eval_mode(inp.model), torch.no_grad():
             out = inp.model(inp.display[None].to(inp.model.embed.weight.device))
         routes, probs = out.routes, out.probs
     seq_len = inp.display.numel()
@@ -300,7 +315,7 @@ def model_sections(report: Report, inp: ModelInput, prefix: str = "",
                            view_id=f"{prefix}tv")
     page = token_view_page(pieces, routes, cfg.chunk_size, probs, inp.display_relevant,
                            title=f"Token routes: {inp.origin}")
-    (report.out / f"{prefix}tokens.html").write_text(page, encoding="utf-8")
+    atomic_write_bytes(report.out / f"{prefix}tokens.html", page.encode("utf-8"))
     report.files.append(report.out / f"{prefix}tokens.html")
     shown = "its text" if inp.tokenizer is not None else "its token ids"
     report.add("Token view", _p(f"The same input, {shown}, each chunk coloured by its route "
@@ -351,33 +366,93 @@ def search_sections(report: Report, source: Path) -> str | None:
 
 def analyze(source: str | os.PathLike, out_dir: str | os.PathLike, *, text: str | None = None,
             tokenizer: str | None = None, batches: int | None = None, device: str = "cpu",
-            progress: bool = True) -> Path:
+            progress: bool = True) -> tuple[Path, list[Path]]:
     """Write ``out_dir/report.html`` (and its pictures, ``tokens.html``, ``report.json``)
-    for a model or a search; returns the report's path."""
+    for a model or a search; returns the report's path and every file written.
+
+    ``out_dir`` must be new, empty or an earlier report's folder, whose files the new
+    report replaces (also those it does not write again). The report is written into a
+    staging folder inside ``out_dir`` and moved in at the end: an analysis cut short
+    leaves the earlier report whole, and a failed one leaves no new empty folder."""
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"--out {out} is a file, not a folder")
     if not Path(source).exists():
         raise FileNotFoundError(f"{source} does not exist: give a run folder, a checkpoint "
                                 "file, a saved or exported model folder, or a search folder")
-    out.mkdir(parents=True, exist_ok=True)
-    report = Report(out)
-    title = f"nats analysis of {source}"
-    if is_search_folder(source):
-        trial = search_sections(report, Path(source))
-        if trial is not None:
-            inp = load_model_input(Path(source) / "trials" / trial, text=text,
-                                   tokenizer=tokenizer, batches=batches, device=device)
-            report.sections.append(f"<h1>Chosen trial {html.escape(trial)}</h1>")
-            model_sections(report, inp, prefix="chosen_", progress=progress)
-    else:
-        inp = load_model_input(source, text=text, tokenizer=tokenizer, batches=batches,
-                               device=device)
-        model_sections(report, inp, progress=progress)
-    (out / "report.json").write_text(json.dumps(report.data, indent=2, default=_jsonable))
-    path = out / REPORT_FILE
-    path.write_text(render_page(title, report.sections), encoding="utf-8")
-    return path
+    _check_report_folder(out)
+    created = not out.exists()
+    if created:
+        out.mkdir(parents=True)
+    stage = out / f"{STAGING_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+    stage.mkdir()
+    try:
+        report = Report(stage)
+        title = f"nats analysis of {source}"
+        if is_search_folder(source):
+            trial = search_sections(report, Path(source))
+            if trial is not None:
+                _chosen_trial_sections(report, Path(source) / "trials" / trial, trial,
+                                       text=text, tokenizer=tokenizer, batches=batches,
+                                       device=device, progress=progress)
+        else:
+            inp = load_model_input(source, text=text, tokenizer=tokenizer, batches=batches,
+                                   device=device)
+            model_sections(report, inp, progress=progress)
+        atomic_write_bytes(stage / "report.json", json.dumps(
+            report.data, indent=2, default=_jsonable, allow_nan=False).encode())
+        atomic_write_bytes(stage / REPORT_FILE,
+                           render_page(title, report.sections).encode("utf-8"))
+        for old in _report_files(out):
+            old.unlink()
+        written = sorted(stage.iterdir())
+        for path in written:
+            os.replace(path, out / path.name)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+        if created and not any(out.iterdir()):
+            out.rmdir()
+    return out / REPORT_FILE, [out / path.name for path in written]
+
+
+STAGING_PREFIX = ".nats-analyze-"
+REPORT_NAMES = re.compile(r"(report\.html|report\.json|(chosen_)?tokens\.html|(chosen_)?"
+                          r"(routing_map|cost|route_probs_layer\d+)\.png|pareto\.png"
+                          r"|importance\.png)")
+"""The files a report writes: what an earlier report's folder may hold."""
+
+
+def _report_files(out: Path) -> list[Path]:
+    return [p for p in out.iterdir() if p.is_file() and REPORT_NAMES.fullmatch(p.name)]
+
+
+def _check_report_folder(out: Path) -> None:
+    """``out`` is absent, empty or an earlier report's: nothing else is overwritten (an
+    export's routing map, a search's Pareto front). Staging folders of analyses killed
+    outright are removed."""
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file, not a folder")
+    if not out.is_dir():
+        return
+    for stale in out.glob(f"{STAGING_PREFIX}*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    others = sorted(p.name for p in out.iterdir() if not REPORT_NAMES.fullmatch(p.name))
+    if others:
+        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        raise FileExistsError(f"--out {out} holds files that are not a report's ({shown}): "
+                              "give a new or empty folder, or an earlier report's")
+
+
+def _chosen_trial_sections(report: Report, folder: Path, trial: str, **load: Any) -> None:
+    """The model part of a search report for its chosen trial; a trial that cannot be
+    loaded (deleted, damaged) is said in the report instead of losing the search part."""
+    progress = load.pop("progress")
+    report.sections.append(f"<h1>Chosen trial {html.escape(trial)}</h1>")
+    try:
+        inp = load_model_input(folder, **load)
+    except (ValueError, OSError) as e:
+        report.add("Not analysed", _p(f"The chosen trial's model could not be loaded: {e}"))
+        report.data["chosen_error"] = str(e)
+        return
+    model_sections(report, inp, prefix="chosen_", progress=progress)
 
 
 def _jsonable(v: Any) -> Any:

@@ -259,9 +259,11 @@ def _analyze(args: argparse.Namespace) -> int:
             text = Path(args.text).read_text(encoding="utf-8", errors="replace")
         except OSError as e:
             raise ValueError(f"--text {args.text}: {e.strerror or e}") from None
-    path = analyze(args.source, args.out, text=text, tokenizer=args.tokenizer,
-                   batches=args.batches, device=args.device)
-    print(f"nats: wrote the report to {path} (pictures and tokens.html beside it)")
+    path, files = analyze(args.source, args.out, text=text, tokenizer=args.tokenizer,
+                          batches=args.batches, device=args.device)
+    beside = sorted(f.name for f in files if f != path)
+    print(f"nats: wrote the report to {path}" + (f" (beside it: {', '.join(beside)})"
+                                                 if beside else ""))
     return 0
 
 

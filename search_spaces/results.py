@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,9 +102,14 @@ def collect(out: str | Path, errors: dict[str, str] | None = None,
     records = []
     for path in sorted((out / "trials").glob(f"*/{TRIAL_FILE}")):
         try:
-            records.append(json.loads(path.read_text()))
-        except json.JSONDecodeError:
+            record = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
             continue  # being written by a running trial (writes are atomic: rare)
+        if not isinstance(record, dict) or not isinstance(record.get("trial_id"), str):
+            print(f"nats: warning: skipping {path}: not a trial record (no trial_id)",
+                  file=sys.stderr)
+            continue
+        records.append(record)
     records.sort(key=lambda r: r["trial_id"])
     rows = []
     for r in records:

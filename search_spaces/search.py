@@ -28,6 +28,7 @@ from typing import Any
 from nats.atomic_write import atomic_write_bytes
 from nats.config import whole_at_least
 from nats.folder_lock import exclusive
+from nats.model import read_json_object
 from nats.trainers import TrainConfig
 
 from . import tune_state
@@ -86,8 +87,7 @@ class SearchSettings:
             if not whole_at_least(value):
                 raise ValueError(f"--{name.replace('_', '-')} {value!r}: must be an "
                                  "integer >= 1")
-        if isinstance(self.max_failures, bool) or not isinstance(self.max_failures, int) \
-                or self.max_failures < 0:
+        if not whole_at_least(self.max_failures, 0):
             raise ValueError(f"--max-failures {self.max_failures!r}: must be an integer >= 0")
         if not self.cpus_per_trial > 0:
             raise ValueError(f"--cpus-per-trial {self.cpus_per_trial!r}: must be > 0")
@@ -133,6 +133,10 @@ class SearchSettings:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"search settings: unknown key(s) {unknown}")
+        for name in ("space", "base"):
+            if not isinstance(data.get(name), dict):
+                raise ValueError(f"search settings: {name!r} must be a JSON object, got "
+                                 f"{type(data.get(name)).__name__}")
         return cls(**data)
 
     def save(self, out: Path) -> None:
@@ -143,7 +147,7 @@ class SearchSettings:
         path = out / SETTINGS_FILE
         if not path.is_file():
             raise FileNotFoundError(f"{out} holds no search ({SETTINGS_FILE} is missing)")
-        return cls.from_dict(json.loads(path.read_text()))
+        return cls.from_dict(read_json_object(path))
 
 
 def make_settings(space: SearchSpace, base: TrainConfig, **options: Any) -> SearchSettings:

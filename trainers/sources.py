@@ -68,12 +68,21 @@ def _load_run(path: Path, device: str | torch.device) -> LoadedModel:
 
     ``model/`` is saved with the run's last checkpoint. A newest checkpoint that holds
     other weights and was written after ``model/`` is the newer model (the run resumed and
-    went on); a ``model/`` written after it (changed by hand) is kept."""
+    went on); a ``model/`` written after it (changed by hand) is kept. A ``model/`` cut
+    short (killed between its two files) or damaged gives way to the newest checkpoint."""
     train_config = read_train_config(path / TRAIN_CONFIG_FILE)
     model_dir = path / "model"
     newest = latest_checkpoint(path)
-    if (model_dir / CONFIG_FILE).is_file():
-        model = NatsForCausalLM.from_pretrained(model_dir, device=device)
+    model = None
+    if model_dir.is_dir() and (newest is not None or (model_dir / CONFIG_FILE).is_file()):
+        try:
+            model = NatsForCausalLM.from_pretrained(model_dir, device=device)
+        except (ValueError, OSError) as e:
+            if newest is None:
+                raise
+            return _load_checkpoint(newest, device, origin=f"run {path} (newest checkpoint; "
+                                                           f"model/ unusable: {e})")
+    if model is not None:
         if model.config != train_config.model:
             raise ValueError(f"{model_dir} holds another model than {path / TRAIN_CONFIG_FILE} "
                              "describes")

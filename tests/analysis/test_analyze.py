@@ -216,3 +216,115 @@ def test_show_does_not_rewrite_a_running_search(run: Path, tmp_path: Path, capsy
     assert not (search / "results.csv").exists() and not (search / "export").exists()
     assert main(["search", "show", str(tmp_path / "nothing"), "--pick", "1"]) == 2
     assert not (tmp_path / "nothing").exists()
+
+
+def test_a_model_folder_of_a_large_vocabulary_needs_its_tokenizer(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Bytes fed as ids to a 32k-token model would be shown as text they are not; a byte
+    model's default input is named as the prose it is, not as "the given text"."""
+    NatsForCausalLM(MODEL.replace(vocab_size=32000)).save_pretrained(tmp_path / "bpe")
+    text = tmp_path / "t.txt"
+    text.write_text("hello")
+    for extra in ([], ["--text", str(text)]):
+        assert main(["analyze", str(tmp_path / "bpe"), "--out", str(tmp_path / "x"),
+                     *extra]) == 2
+        err = capsys.readouterr().err
+        assert "32000-token vocabulary, not of UTF-8 bytes" in err and err.count("\n") == 1
+    assert not (tmp_path / "x").exists()  # a failed analysis leaves no new folder
+    NatsForCausalLM(MODEL.replace(vocab_size=266)).save_pretrained(tmp_path / "bytes")
+    assert main(["analyze", str(tmp_path / "bytes"), "--out", str(tmp_path / "b")]) == 0
+    page = (tmp_path / "b" / "report.html").read_text()
+    assert "English prose from Python&#x27;s documentation" in page
+    assert "the given text" not in page
+
+
+def test_an_earlier_report_is_replaced_and_other_folders_are_refused(
+        run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A report over an earlier one leaves none of the earlier files it does not write (a
+    NAtS-L model's token view and map, then a transformer's report); a folder holding other
+    files (an export, a search) is not written into."""
+    out = tmp_path / "report"
+    assert main(["analyze", str(run), "--out", str(out)]) == 0
+    assert (out / "tokens.html").is_file() and (out / "routing_map.png").is_file()
+    capsys.readouterr()
+    torch.manual_seed(0)
+    NatsForCausalLM(MODEL.replace(vocab_size=256, layer_types=("softmax", "softmax"))
+                    ).save_pretrained(tmp_path / "transformer")
+    assert main(["analyze", str(tmp_path / "transformer"), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["cost.png", "report.html", "report.json"]
+    assert "beside it: cost.png, report.json" in printed and "tokens.html" not in printed
+    assert "no NAtS-L layer" in (out / "report.html").read_text()
+    for other in (tmp_path / "transformer", run):
+        before = sorted(p.name for p in other.iterdir())
+        assert main(["analyze", str(run), "--out", str(other)]) == 2
+        err = capsys.readouterr().err
+        assert "holds files that are not a report's" in err and err.count("\n") == 1
+        assert sorted(p.name for p in other.iterdir()) == before
+
+
+def test_a_search_report_survives_an_unloadable_chosen_trial(run: Path, tmp_path: Path
+                                                             ) -> None:
+    search = tmp_path / "search"
+    _search_dir(run, search)
+    for name in ("model", "checkpoints"):
+        shutil.rmtree(search / "trials" / "t2" / name)
+    assert main(["analyze", str(search), "--out", str(tmp_path / "r")]) == 0
+    page = (tmp_path / "r" / "report.html").read_text()
+    assert "<h2>Pareto front</h2>" in page and "<h1>Chosen trial t2</h1>" in page
+    assert "The chosen trial&#x27;s model could not be loaded" in page
+    assert "holds no trained model" in json.loads(
+        (tmp_path / "r" / "report.json").read_text())["chosen_error"]
+
+
+@pytest.mark.parametrize("damage", ["no trial_id", "a list", "settings a list"])
+def test_damaged_search_files_are_one_line_errors_or_skipped(
+        run: Path, tmp_path: Path, damage: str, capsys: pytest.CaptureFixture[str]) -> None:
+    search = tmp_path / "search"
+    _search_dir(run, search)
+    record = search / "trials" / "t1" / "search_trial.json"
+    if damage == "no trial_id":
+        data = json.loads(record.read_text())
+        del data["trial_id"]
+        record.write_text(json.dumps(data))
+    elif damage == "a list":
+        record.write_text("[1]")
+    else:
+        (search / "search.json").write_text("[1]")
+    code = main(["analyze", str(search), "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    if damage == "settings a list":
+        assert code == 2 and "must hold a JSON object, not list" in err
+        assert err.count("\n") == 1
+    else:
+        assert code == 0 and f"skipping {record}: not a trial record" in err
+        page = (tmp_path / "r" / "report.html").read_text()
+        assert "<h1>Chosen trial t2</h1>" in page and "<td>t1</td>" not in page
+
+
+def test_the_shown_input_is_routed_in_evaluation_mode(run: Path) -> None:
+    """Through the Python API a model may come in training mode: the routing map of a
+    given text is the same on every call (argmax routes, not the exploration's noisy
+    ones) and the model's pending routing statistics are left as they were."""
+    from nats.analysis.report import Report, load_model_input, model_sections
+
+    inp = load_model_input(run, text="0123456789:;<=>?" * 6)  # ids below the vocabulary's 64
+    inp.model.train()
+    for layer in inp.model.nats_layers:
+        layer.route_noise = 5.0  # a model mid-exploration
+
+    def routes_shown(tmp: Path) -> bytes:
+        report = Report(tmp)
+        model_sections(report, inp, progress=False)
+        return (tmp / "routing_map.png").read_bytes()
+
+    pending = [m.pending.clone() for m in inp.model.modules()
+               if getattr(m, "pending", None) is not None]
+    maps = []
+    for i in range(3):
+        (folder := run.parent / f"tm{i}").mkdir(exist_ok=True)
+        maps.append(routes_shown(folder))
+    assert maps[0] == maps[1] == maps[2] and inp.model.training
+    assert all(torch.equal(m.pending, p) for m, p in zip(
+        [m for m in inp.model.modules() if getattr(m, "pending", None) is not None], pending,
+        strict=True))

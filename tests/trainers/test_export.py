@@ -260,6 +260,28 @@ def test_checkpoint_file_and_a_run_without_model_dir(run: Path, tmp_path: Path) 
     assert torch.equal(_logits(NatsForCausalLM.from_pretrained(tmp_path / "b"), run), reference)
 
 
+@pytest.mark.parametrize("cut", ["weights missing", "weights truncated", "empty"])
+def test_a_model_folder_cut_short_gives_way_to_the_checkpoint(run: Path, tmp_path: Path,
+                                                              cut: str) -> None:
+    """A run killed between ``model/``'s two files (its config is written first), or whose
+    ``model/`` is damaged, is exported from its newest checkpoint, which holds the model."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    weights = copy / "model" / "model.safetensors"
+    if cut == "weights missing":
+        weights.unlink()
+    elif cut == "weights truncated":
+        weights.write_bytes(weights.read_bytes()[:100])
+    else:
+        shutil.rmtree(copy / "model")
+        (copy / "model").mkdir()
+    result = export_architecture(copy, tmp_path / "a", eval_batches=0)
+    assert result.origin.startswith(f"run {copy} (newest checkpoint; model/ unusable: ")
+    assert result.origin.endswith("step 4")
+    reference = _logits(NatsForCausalLM.from_pretrained(run / "model"), run)
+    assert torch.equal(_logits(NatsForCausalLM.from_pretrained(tmp_path / "a"), run), reference)
+
+
 def test_refusals(run: Path, tmp_path: Path) -> None:
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "notes.txt").write_text("mine")
