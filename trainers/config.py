@@ -389,13 +389,12 @@ def architecture_layers(arch: str, n_layers: int, softmax_every: int = 2) -> tup
     if arch not in ARCHITECTURES:
         raise ConfigError(f"unknown architecture {arch!r}: must be one of "
                           f"{', '.join(ARCHITECTURES)}")
-    if isinstance(softmax_every, bool) or not isinstance(softmax_every, int) \
-            or not 1 <= softmax_every <= n_layers:
+    uniform = {"transformer": "softmax", "gdn": "linear", "natsl-all": "nats"}
+    if arch in uniform:  # softmax_every does not apply
+        return (uniform[arch],) * n_layers
+    if not (whole_at_least(softmax_every) and softmax_every <= n_layers):
         raise ConfigError(f"softmax_every = {softmax_every!r} is invalid: must be an integer "
                           f"in 1 .. n_layers = {n_layers}")
-    uniform = {"transformer": "softmax", "gdn": "linear", "natsl-all": "nats"}
-    if arch in uniform:
-        return (uniform[arch],) * n_layers
     hybrid = "softmax" if arch == "layer-hybrid" else "nats"
     return tuple(hybrid if (i + 1) % softmax_every == 0 else "linear"
                  for i in range(n_layers))
@@ -440,8 +439,8 @@ def run_config(preset_name: str, overrides: dict[str, Any], resume: bool,
     config saved in the newest checkpoint of the output folder (``overrides["out_dir"]``
     or the preset's), or its ``train_config.json`` if it stopped before its first
     checkpoint, so the preset need not be repeated, then applies ``overrides`` (e.g. more
-    ``steps``). ``arch`` (a baseline architecture and its ``softmax_every``) replaces the
-    model's mixers, then ``model_overrides`` its fields.
+    ``steps``). ``arch`` (a baseline architecture and its ``softmax_every``) gives the
+    model's mixers for its depth after ``model_overrides``, whose ``layer_types`` win.
     """
     base = preset(preset_name)
     if config_path is not None:
@@ -453,8 +452,11 @@ def run_config(preset_name: str, overrides: dict[str, Any], resume: bool,
     elif resume and (out_dir / TRAIN_CONFIG_FILE).is_file():
         # Stopped before its first checkpoint: start over with the run's own config.
         base = config_from_file(out_dir / TRAIN_CONFIG_FILE, base)
-    if arch is not None:
-        base = with_architecture(base, *arch)
+    model_overrides = dict(model_overrides or {})
+    if arch is not None and "layer_types" not in model_overrides:
+        # As deep as the run will be: ``--n-layers`` given beside ``--arch`` counts.
+        model_overrides["layer_types"] = architecture_layers(
+            arch[0], model_overrides.get("n_layers", base.model.n_layers), arch[1])
     # Model and run overrides at once: a run field may only be valid with the new model
     # (a text task with a larger vocabulary).
-    return base.replace(model=base.model.replace(**(model_overrides or {})), **overrides)
+    return base.replace(model=base.model.replace(**model_overrides), **overrides)

@@ -61,3 +61,22 @@ def test_nats_train_arch_flag_trains_the_baseline(tmp_path) -> None:
     assert saved["model"]["layer_types"] == ["linear", "softmax"]
     assert saved["mqar_filler"] == "noise"
     assert json.loads((out / "model" / "config.json").read_text())["softmax_layers"] == [1]
+
+
+@pytest.mark.parametrize(("arch", "n_layers", "given", "expected"), [
+    ("natsl-all", 1, None, ("nats",)),
+    ("transformer", 3, None, ("softmax",) * 3),
+    ("layer-hybrid", 3, None, ("linear", "softmax", "linear")),
+    ("natsl", 4, None, ("linear", "nats", "linear", "nats")),
+    ("gdn", 2, ("nats", "softmax"), ("nats", "softmax")),  # --layer-types wins
+])
+def test_the_architecture_takes_the_depth_given_beside_it(arch, n_layers, given, expected):
+    """``--arch`` with ``--n-layers``: the mixers of the run's depth, not the preset's (a
+    one-layer natsl-all run was refused as two layers, and a uniform architecture's
+    softmax_every was checked against the depth)."""
+    from nats.trainers import run_config
+
+    overrides = {"n_layers": n_layers, **({"layer_types": given} if given else {})}
+    config = run_config("mqar-tiny", {}, resume=False, model_overrides=overrides,
+                        arch=(arch, 2))
+    assert config.model.n_layers == n_layers and config.model.layer_types == expected
