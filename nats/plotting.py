@@ -125,7 +125,8 @@ class LegendItem:
     label: str
     color: Color
     marker: str = "box"
-    """``"box"`` (filled square), ``"line"``, ``"dashed"``, ``"dot"`` or ``"ring"``."""
+    """``"box"`` (filled square), ``"line"``, ``"dashed"``, ``"dot"``, ``"hollow"`` (a
+    white dot ringed in the colour) or ``"ring"``."""
 
 
 def legend_size(items: Sequence[LegendItem], font: ImageFont.ImageFont | ImageFont.FreeTypeFont,
@@ -153,6 +154,9 @@ def draw_legend(img: Image.Image, items: Sequence[LegendItem], corner: tuple[flo
             _dashed_line(draw, (x + 6, cy), (x + 30, cy), item.color, 3, dash=4.0)
         elif item.marker == "dot":
             draw.ellipse([x + 13, cy - 5, x + 23, cy + 5], fill=item.color, outline="black")
+        elif item.marker == "hollow":
+            draw.ellipse([x + 13, cy - 5, x + 23, cy + 5], fill="white", outline=item.color,
+                         width=2)
         elif item.marker == "ring":
             draw.ellipse([x + 11, cy - 7, x + 25, cy + 7], outline=item.color, width=3)
         else:

@@ -131,6 +131,8 @@ def plot_front(points: Sequence[tuple[float, float]], front: Sequence[int], path
                                                                  "dot")]
     if marked is not None:
         items.append(LegendItem("chosen", MARKED_COLOR, "ring"))
+    if any(at(i)[1] for i in range(len(points))):
+        items.append(LegendItem("beyond the axes (on the edge)", OTHER_COLOR, "hollow"))
     corner = quiet_corner(axes.box, legend_size(items, font),
                           [at(i)[0] for i in range(len(points))])
     draw_legend(img, items, corner, font)

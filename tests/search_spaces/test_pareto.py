@@ -84,3 +84,20 @@ def test_an_outlier_does_not_squash_the_front() -> None:
     assert view_range([1.0, 2.0], [1.0, 2.0], log=False) == (1.0, 2.0)  # no wider than data
     lo, hi = view_range([1e3, 1e4, 1e9], [1e3, 1e4], log=True)
     assert lo == 1e3 and hi == pytest.approx(1e5)
+
+
+def test_the_legend_names_points_drawn_on_the_edge(tmp_path: Path, monkeypatch) -> None:
+    """A trial beyond the view is drawn hollow on its edge; the legend says what that means,
+    and only when such a point is there."""
+    from nats.search_spaces import pareto
+
+    shown: list[list[str]] = []
+    real = pareto.draw_legend
+    monkeypatch.setattr(pareto, "draw_legend", lambda img, items, *a, **k: (
+        shown.append([f"{i.label}:{i.marker}" for i in items]), real(img, items, *a, **k)))
+    points = [(1.0, 1.0), (2.0, 0.5), (1.5, 1000.0)]  # the last: a diverged trial
+    plot_front(points, pareto_front(points, ["min", "min"]), tmp_path / "a.png", xlabel="x",
+               ylabel="y")
+    plot_front(points[:2], [0, 1], tmp_path / "b.png", xlabel="x", ylabel="y")
+    assert shown[0][-1] == "beyond the axes (on the edge):hollow"
+    assert not any("beyond" in item for item in shown[1])
