@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import codecs
 import html
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -108,19 +109,25 @@ def token_view_html(pieces: Sequence[str], routes: Sequence[torch.Tensor | None]
             parts.append(f'<span class="rel">{text}</span>' if relevant is not None
                          and relevant[t] and text else text)
         chunks_html.append("".join(parts))
-    titles = [html.escape("\n".join(h), quote=True) for h in hover]
+    # The hover text (every layer and head of a chunk) once, read by the script: as a
+    # title on every chunk of every view it made the page grow with (layers x heads)^2.
+    hover_json = json.dumps(["\n".join(h) for h in hover]).replace("<", "\\u003c")
     options = "".join(f'<option value="{v.key}">{html.escape(v.label)}</option>'
                       for v in views)
     blocks = []
     for n, v in enumerate(views):
-        spans = "".join(f'<span class="chunk {"sm" if s else "la"}" data-chunk="{c}" '
-                        f'title="{titles[c]}">{chunks_html[c]}</span>'
-                        for c, s in enumerate(v.softmax))
+        spans = "".join(f'<span class="chunk {"sm" if s else "la"}" data-chunk="{c}">'
+                        f'{chunks_html[c]}</span>' for c, s in enumerate(v.softmax))
         hidden = "" if n == 0 else " hidden"
         blocks.append(f'<div class="tv-text" id="{view_id}-{v.key}"{hidden}>{spans}</div>')
     script = (f"document.getElementById('{view_id}-select').addEventListener('change', e => "
               f"{{ document.querySelectorAll('#{view_id} .tv-text').forEach(d => "
-              f"{{ d.hidden = d.id !== '{view_id}-' + e.target.value; }}); }});")
+              f"{{ d.hidden = d.id !== '{view_id}-' + e.target.value; }}); }});"
+              f"const {_js_name(view_id)}Hover = JSON.parse(document.getElementById("
+              f"'{view_id}-hover').textContent);"
+              f"document.getElementById('{view_id}').addEventListener('mouseover', e => {{ "
+              f"const c = e.target.closest('.chunk'); if (c && !c.title) "
+              f"c.title = {_js_name(view_id)}Hover[Number(c.dataset.chunk)]; }});")
     legend = ('<p class="tv-legend"><span class="sm" style="background: rgb'
               f'{SOFTMAX_RGB}">softmax: kept in the KV cache</span><span class="la" '
               f'style="background: rgb{LINEAR_RGB}; color: #fff">linear: written into the '
@@ -130,7 +137,13 @@ def token_view_html(pieces: Sequence[str], routes: Sequence[torch.Tensor | None]
               + " Hover a chunk for its route in every layer and head.</p>")
     return (f'<div class="token-view" id="{view_id}"><label>Routes of '
             f'<select id="{view_id}-select">{options}</select></label>{legend}'
-            f'{"".join(blocks)}<script>{script}</script></div>')
+            f'{"".join(blocks)}<script type="application/json" id="{view_id}-hover">'
+            f'{hover_json}</script><script>{script}</script></div>')
+
+
+def _js_name(view_id: str) -> str:
+    """A JavaScript identifier from a view id (ids are ours: letters, digits, ``_``)."""
+    return "".join(ch if ch.isalnum() else "_" for ch in view_id)
 
 
 def token_view_page(pieces: Sequence[str], routes: Sequence[torch.Tensor | None],

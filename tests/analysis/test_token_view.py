@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -18,9 +19,16 @@ def _views(page: str) -> dict[str, list[tuple[str, str]]]:
     out = {}
     for key, body in re.findall(r'<div class="tv-text" id="tv-(l\d+h\d+)"[^>]*>(.*?)</div>',
                                 page, flags=re.S):
-        out[key] = re.findall(r'<span class="chunk (sm|la)" data-chunk="\d+" title="[^"]*">'
+        out[key] = re.findall(r'<span class="chunk (sm|la)" data-chunk="\d+">'
                               r'(.*?)</span>(?=<span class="chunk|$)', body, flags=re.S)
     return out
+
+
+def _hover(page: str) -> list[str]:
+    """The hover text of every chunk, as the page's script reads it."""
+    (block,) = re.findall(r'<script type="application/json" id="tv-hover">(.*?)</script>',
+                          page, flags=re.S)
+    return json.loads(block)
 
 
 def test_one_span_per_chunk_with_its_route_and_escaped_text() -> None:
@@ -51,7 +59,25 @@ def test_partial_last_chunk_hover_and_relevant_tokens() -> None:
     assert [c for c, _ in spans] == ["sm", "la"]
     assert spans[0][1] == '0 <span class="rel">1 </span>2 3 '
     assert spans[1][1] == '4 <span class="rel">5 </span>'
-    assert "chunk 1: tokens 4..5\nlayer 0 head 0: linear, p(softmax) 0.20" in page
+    assert _hover(page) == ["chunk 0: tokens 0..3\nlayer 0 head 0: softmax, p(softmax) 0.90",
+                            "chunk 1: tokens 4..5\nlayer 0 head 0: linear, p(softmax) 0.20"]
+
+
+def test_the_page_grows_linearly_with_the_heads() -> None:
+    """Each chunk's hover text is on the page once, not on every view's copy of the chunk
+    (which grew with the square of layers x heads); text cannot end its script block."""
+    pieces = ["</script>x"] * 64
+
+    def size(heads: int) -> int:
+        routes = routes_from_choices([[c % 2] * heads for c in range(4)])
+        return len(token_view_html(pieces, [routes] * 4, chunk_size=16))
+
+    small, large = size(4), size(16)
+    assert large < 4.5 * small  # 4x the views: a little over 4x the page, not 16x
+    page = token_view_html(pieces, [routes_from_choices([[1], [0], [1], [0]])], chunk_size=16,
+                           probs=[torch.full((4, 1, 2), 0.5)])
+    assert page.count("</script>") == 2  # the JSON block's and the script's own
+    assert len(_hover(page)) == 4
 
 
 def test_pieces_of_bytes_tokenizers_and_ids() -> None:
