@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import math
 import os
 import re
 import secrets
@@ -398,7 +399,7 @@ def analyze(source: str | os.PathLike, out_dir: str | os.PathLike, *, text: str 
                                    device=device)
             model_sections(report, inp, progress=progress)
         atomic_write_bytes(stage / "report.json", json.dumps(
-            report.data, indent=2, default=_jsonable, allow_nan=False).encode())
+            _plain(report.data), indent=2, allow_nan=False).encode())
         atomic_write_bytes(stage / REPORT_FILE,
                            render_page(title, report.sections).encode("utf-8"))
         for old in _report_files(out):
@@ -455,9 +456,19 @@ def _chosen_trial_sections(report: Report, folder: Path, trial: str, **load: Any
     model_sections(report, inp, prefix="chosen_", progress=progress)
 
 
-def _jsonable(v: Any) -> Any:
+def _plain(v: Any) -> Any:
+    """``v`` as standard JSON holds it: arrays as lists, a non-finite number as ``null``
+    (``NaN`` is not JSON: browsers' ``JSON.parse`` refuses it), anything else as text."""
     if hasattr(v, "tolist"):
-        return v.tolist()
+        v = v.tolist()
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
     return str(v)
 
 

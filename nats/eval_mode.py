@@ -18,10 +18,12 @@ from torch import nn
 
 @contextlib.contextmanager
 def eval_mode(module: nn.Module) -> Iterator[nn.Module]:
-    """``module`` in evaluation mode inside the block; its previous mode after it."""
-    was_training = module.training
+    """``module`` in evaluation mode inside the block; after it, every submodule's mode as
+    it was (a model training with a frozen part in evaluation mode keeps it so)."""
+    modes = [(m, m.training) for m in module.modules()]
     module.eval()
     try:
         yield module
     finally:
-        module.train(was_training)
+        for m, training in modes:
+            m.training = training

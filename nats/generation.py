@@ -56,7 +56,9 @@ def generate(model: NatsForCausalLM, input_ids: torch.Tensor, max_new_tokens: in
     """Prefill the prompt once, then decode token by token against the cache.
 
     Returns ``[B, T + n]``; generation stops early once every row has produced
-    ``eos_token_id``. The model decodes in evaluation mode (:func:`nats.eval_mode.eval_mode`:
+    ``eos_token_id``. Every row of ``input_ids`` is a whole prompt of ``T`` tokens: there
+    is no padding mask (a padded row would continue after its padding), so prompts of
+    other lengths are generated one batch per length. The model decodes in evaluation mode (:func:`nats.eval_mode.eval_mode`:
     argmax routes, its routing statistics untouched, its mode restored after).
     ``cuda_graph`` replays the decode steps from a CUDA graph
     (:class:`nats.cuda_graph.GraphedDecoder`); by default it does on a GPU.

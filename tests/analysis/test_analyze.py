@@ -328,3 +328,15 @@ def test_the_shown_input_is_routed_in_evaluation_mode(run: Path) -> None:
     assert all(torch.equal(m.pending, p) for m, p in zip(
         [m for m in inp.model.modules() if getattr(m, "pending", None) is not None], pending,
         strict=True))
+
+
+def test_report_json_is_standard_json() -> None:
+    """A non-finite number (a diverged trial's metric) is written as null, arrays as lists:
+    browsers' JSON.parse refuses NaN."""
+    from nats.analysis.report import _plain
+
+    data = {"front": [{"eval/ce": float("nan"), "cost": float("inf"), "n": 3, "ok": True}],
+            "hist": torch.tensor([1.5, 2.0]), 7: None, "path": Path("a/b")}
+    text = json.dumps(_plain(data), allow_nan=False)
+    assert json.loads(text) == {"front": [{"eval/ce": None, "cost": None, "n": 3, "ok": True}],
+                                "hist": [1.5, 2.0], "7": None, "path": "a/b"}
