@@ -20,10 +20,12 @@ from torch import nn
 def eval_mode(module: nn.Module) -> Iterator[nn.Module]:
     """``module`` in evaluation mode inside the block; after it, every submodule's mode as
     it was (a model training with a frozen part in evaluation mode keeps it so)."""
+    was_training = module.training
     modes = [(m, m.training) for m in module.modules()]
     module.eval()
     try:
         yield module
     finally:
+        module.train(was_training)  # through an override (the HF wrapper's native model)
         for m, training in modes:
             m.training = training
