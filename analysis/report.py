@@ -29,6 +29,7 @@ import torch
 from PIL import Image
 
 from nats.atomic_write import atomic_write_bytes
+from nats.config import whole_at_least
 from nats.cost_model import compare_costs, fractions_from_measurement
 from nats.eval_mode import eval_mode
 from nats.plotting import format_si, format_tokens, histogram, save_png
@@ -90,7 +91,7 @@ def _text_batches(text: str, tokenizer: Any, vocab_size: int, what: str,
 
 def load_model_input(source: str | os.PathLike, *, text: str | None = None,
                      tokenizer: str | None = None, batches: int | None = None,
-                     device: str = "cpu") -> ModelInput:
+                     device: str = "cpu", loaded: Any = None) -> ModelInput:
     """The model of a run, checkpoint or model folder, with its evaluation data.
 
     Where the training run is known (a run, a checkpoint, a run's ``model/``, an export),
@@ -98,15 +99,15 @@ def load_model_input(source: str | os.PathLike, *, text: str | None = None,
     default the run's count) and shows the first sequence, or ``text`` when given (through
     the run's tokenizer, else UTF-8 bytes). Any other model folder has no evaluation data:
     it is analysed on ``text`` (default: a stretch of English prose from the standard
-    library, for byte-level models)."""
+    library, for byte-level models). ``loaded``: ``source`` already loaded
+    (:func:`nats.trainers.sources.load_model`)."""
     from nats.trainers import build_batches, load_tokenizer, resolve_device
     from nats.trainers.sources import load_model
 
-    if batches is not None and (isinstance(batches, bool) or batches < 1):
-        raise ValueError(f"--batches {batches!r}: must be an integer >= 1")
+    check_batches(batches)
     if is_search_folder(source):
         raise ValueError(f"{source} is a search folder; analyse it with analyze_search")
-    loaded = load_model(source, resolve_device(device))
+    loaded = loaded or load_model(source, resolve_device(device))
     if loaded.train_config is None:
         model = loaded.model
         tok = load_tokenizer(tokenizer)
@@ -159,11 +160,10 @@ def default_text() -> str:
 
 @dataclass
 class Report:
-    """Sections of HTML and the PNG files written beside the report."""
+    """Sections of HTML; the PNG files are written into ``out`` beside them."""
 
     out: Path
     sections: list[str] = field(default_factory=list)
-    files: list[Path] = field(default_factory=list)
     data: dict[str, Any] = field(default_factory=dict)
     """Machine-readable numbers, written as ``report.json``."""
 
@@ -172,8 +172,7 @@ class Report:
         return self.embed(save_png(img, self.out / name), alt)
 
     def embed(self, png: Path, alt: str) -> str:
-        """An ``<img>`` holding the PNG file ``png`` as a data URI (listed in ``files``)."""
-        self.files.append(png)
+        """An ``<img>`` holding the PNG file ``png`` as a data URI."""
         with Image.open(png) as img:
             width = img.width
         data = base64.b64encode(png.read_bytes()).decode("ascii")
@@ -317,7 +316,6 @@ def model_sections(report: Report, inp: ModelInput, prefix: str = "",
     page = token_view_page(pieces, routes, cfg.chunk_size, probs, inp.display_relevant,
                            title=f"Token routes: {inp.origin}")
     atomic_write_bytes(report.out / f"{prefix}tokens.html", page.encode("utf-8"))
-    report.files.append(report.out / f"{prefix}tokens.html")
     shown = "its text" if inp.tokenizer is not None else "its token ids"
     report.add("Token view", _p(f"The same input, {shown}, each chunk coloured by its route "
                                 "in the chosen layer and routing head."), view)
@@ -365,6 +363,12 @@ def search_sections(report: Report, source: Path) -> str | None:
     return None if view.chosen is None else r.rows[view.chosen]["trial_id"]
 
 
+def check_batches(batches: int | None) -> None:
+    """``--batches``: ``None`` (the run's own count) or a count."""
+    if batches is not None and not whole_at_least(batches):
+        raise ValueError(f"--batches {batches!r}: must be an integer >= 1")
+
+
 def analyze(source: str | os.PathLike, out_dir: str | os.PathLike, *, text: str | None = None,
             tokenizer: str | None = None, batches: int | None = None, device: str = "cpu",
             progress: bool = True) -> tuple[Path, list[Path]]:
@@ -373,16 +377,23 @@ def analyze(source: str | os.PathLike, out_dir: str | os.PathLike, *, text: str 
 
     ``out_dir`` must be new, empty or an earlier report's folder, whose files the new
     report replaces (also those it does not write again). The report is written into a
-    staging folder inside ``out_dir`` and moved in at the end: an analysis cut short
-    leaves the earlier report whole, and a failed one leaves no new empty folder."""
+    staging folder inside ``out_dir`` and moved in at the end, ``report.html`` last: an
+    analysis cut short leaves the earlier page whole, and a failed one leaves no new
+    folders."""
+    from nats.trainers import load_tokenizer, resolve_device
+
     out = Path(out_dir)
     if not Path(source).exists():
         raise FileNotFoundError(f"{source} does not exist: give a run folder, a checkpoint "
                                 "file, a saved or exported model folder, or a search folder")
+    # The options first: a search's chosen trial must not fail on them after the search
+    # part is drawn (nor be reported as unloadable for them).
+    check_batches(batches)
+    resolve_device(device)
+    load_tokenizer(tokenizer)
     _check_report_folder(out)
-    created = not out.exists()
-    if created:
-        out.mkdir(parents=True)
+    created = [p for p in (out, *out.parents) if not p.exists()]
+    out.mkdir(parents=True, exist_ok=True)
     stage = out / f"{STAGING_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
     stage.mkdir()
     try:
@@ -402,19 +413,22 @@ def analyze(source: str | os.PathLike, out_dir: str | os.PathLike, *, text: str 
             _plain(report.data), indent=2, allow_nan=False).encode())
         atomic_write_bytes(stage / REPORT_FILE,
                            render_page(title, report.sections).encode("utf-8"))
-        for old in _report_files(out):
-            old.unlink()
-        written = sorted(stage.iterdir())
-        for path in written:
-            os.replace(path, out / path.name)
+        written = sorted(p.name for p in stage.iterdir() if p.name != REPORT_FILE)
+        stale = [p for p in _report_files(out) if p.name not in (*written, REPORT_FILE)]
+        for name in (*written, REPORT_FILE):
+            os.replace(stage / name, out / name)
+        for path in stale:
+            path.unlink()
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-        if created and not any(out.iterdir()):
-            out.rmdir()
-    return out / REPORT_FILE, [out / path.name for path in written]
+        for folder in created:  # innermost first; a failed analysis leaves none of them
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+    return out / REPORT_FILE, [out / name for name in (*written, REPORT_FILE)]
 
 
 STAGING_PREFIX = ".nats-analyze-"
+_STAGING = re.compile(re.escape(STAGING_PREFIX) + r"(\d+)-[0-9a-f]+")
 REPORT_NAMES = re.compile(r"(report\.html|report\.json|(chosen_)?tokens\.html|(chosen_)?"
                           r"(routing_map|cost|route_probs_layer\d+)\.png|pareto\.png"
                           r"|importance\.png)")
@@ -425,34 +439,72 @@ def _report_files(out: Path) -> list[Path]:
     return [p for p in out.iterdir() if p.is_file() and REPORT_NAMES.fullmatch(p.name)]
 
 
+def _leftover(path: Path) -> bool:
+    """A staging folder of an analysis no longer running, or the temporary file of a write
+    killed midway (``.NAME.*.tmp``) of a report file."""
+    staging = _STAGING.fullmatch(path.name)
+    if staging:
+        return not _running(int(staging.group(1)))
+    parts = path.name.split(".")
+    return path.name.startswith(".") and path.name.endswith(".tmp") and len(parts) > 3 \
+        and REPORT_NAMES.fullmatch(".".join(parts[1:-2])) is not None
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def _check_report_folder(out: Path) -> None:
     """``out`` is absent, empty or an earlier report's: nothing else is overwritten (an
-    export's routing map, a search's Pareto front). Staging folders of analyses killed
-    outright are removed."""
+    export's routing map, a search's Pareto front). What analyses killed outright left
+    there is removed; an analysis into the same folder still running is refused."""
+    if out.is_symlink() and not out.exists():
+        raise FileNotFoundError(f"--out {out} is a link to {os.readlink(out)}, which does "
+                                "not exist")
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {out} is a file, not a folder")
     if not out.is_dir():
         return
-    for stale in out.glob(f"{STAGING_PREFIX}*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    others = sorted(p.name for p in out.iterdir() if not REPORT_NAMES.fullmatch(p.name))
+    for path in out.iterdir():
+        if _leftover(path):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+    running = [p.name for p in out.iterdir() if _STAGING.fullmatch(p.name)]
+    if running:
+        raise FileExistsError(f"--out {out} is being written by another analysis (process "
+                              f"{_STAGING.fullmatch(running[0]).group(1)}): wait for it, or "
+                              "give another folder")
+    others = sorted(p.name for p in out.iterdir()
+                    if not (p.is_file() and REPORT_NAMES.fullmatch(p.name)))
     if others:
         shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
         raise FileExistsError(f"--out {out} holds files that are not a report's ({shown}): "
                               "give a new or empty folder, or an earlier report's")
 
 
-def _chosen_trial_sections(report: Report, folder: Path, trial: str, **load: Any) -> None:
+def _chosen_trial_sections(report: Report, folder: Path, trial: str, *, device: str,
+                           progress: bool, **options: Any) -> None:
     """The model part of a search report for its chosen trial; a trial that cannot be
     loaded (deleted, damaged) is said in the report instead of losing the search part."""
-    progress = load.pop("progress")
+    from nats.trainers import resolve_device
+    from nats.trainers.sources import load_model
+
     report.sections.append(f"<h1>Chosen trial {html.escape(trial)}</h1>")
     try:
-        inp = load_model_input(folder, **load)
+        loaded = load_model(folder, resolve_device(device))
     except (ValueError, OSError) as e:
         report.add("Not analysed", _p(f"The chosen trial's model could not be loaded: {e}"))
         report.data["chosen_error"] = str(e)
         return
+    inp = load_model_input(folder, device=device, loaded=loaded, **options)
     model_sections(report, inp, prefix="chosen_", progress=progress)
 
 

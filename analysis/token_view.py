@@ -123,11 +123,11 @@ def token_view_html(pieces: Sequence[str], routes: Sequence[torch.Tensor | None]
     script = (f"document.getElementById('{view_id}-select').addEventListener('change', e => "
               f"{{ document.querySelectorAll('#{view_id} .tv-text').forEach(d => "
               f"{{ d.hidden = d.id !== '{view_id}-' + e.target.value; }}); }});"
-              f"const {_js_name(view_id)}Hover = JSON.parse(document.getElementById("
-              f"'{view_id}-hover').textContent);"
+              f"const hover = JSON.parse(document.getElementById('{view_id}-hover')"
+              f".textContent);"
               f"document.getElementById('{view_id}').addEventListener('mouseover', e => {{ "
               f"const c = e.target.closest('.chunk'); if (c && !c.title) "
-              f"c.title = {_js_name(view_id)}Hover[Number(c.dataset.chunk)]; }});")
+              f"c.title = hover[Number(c.dataset.chunk)]; }});")
     legend = ('<p class="tv-legend"><span class="sm" style="background: rgb'
               f'{SOFTMAX_RGB}">softmax: kept in the KV cache</span><span class="la" '
               f'style="background: rgb{LINEAR_RGB}; color: #fff">linear: written into the '
@@ -138,12 +138,8 @@ def token_view_html(pieces: Sequence[str], routes: Sequence[torch.Tensor | None]
     return (f'<div class="token-view" id="{view_id}"><label>Routes of '
             f'<select id="{view_id}-select">{options}</select></label>{legend}'
             f'{"".join(blocks)}<script type="application/json" id="{view_id}-hover">'
-            f'{hover_json}</script><script>{script}</script></div>')
+            f'{hover_json}</script><script>{{ {script} }}</script></div>')
 
-
-def _js_name(view_id: str) -> str:
-    """A JavaScript identifier from a view id (ids are ours: letters, digits, ``_``)."""
-    return "".join(ch if ch.isalnum() else "_" for ch in view_id)
 
 
 def token_view_page(pieces: Sequence[str], routes: Sequence[torch.Tensor | None],

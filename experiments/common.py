@@ -197,18 +197,31 @@ def train_to_end(config: TrainConfig) -> loop.TrainResult:
 
 
 ROW_METRICS_FILE = "eval_metrics.json"
-"""A finished row's final evaluation, in its run folder (:func:`train_row`)."""
+"""A finished row's final evaluation and the config it ran, in its run folder
+(:func:`train_row`)."""
 
 
 def train_row(config: TrainConfig) -> dict[str, float]:
     """The final evaluation metrics of ``config``'s run: read back from its folder when an
     earlier call finished it, else trained (resumed where an earlier call was cut short), so
-    that rerunning a script goes on where it stopped instead of being refused."""
+    that rerunning a script goes on where it stopped instead of being refused. A folder
+    holding another config's row is refused: its numbers are not this row's."""
     done = Path(config.out_dir) / ROW_METRICS_FILE
     if done.is_file():
-        return json.loads(done.read_text())
-    metrics = train_to_end(config).eval_metrics
-    atomic_write_bytes(done, (json.dumps(metrics, indent=1) + "\n").encode())
+        saved = json.loads(done.read_text())
+        if saved.get("config") != config.to_dict():
+            raise ValueError(f"{done.parent} holds a row of another config (other options "
+                             "or scale): give another --out, or remove the folder")
+        return saved["metrics"]
+    result = train_to_end(config)
+    metrics = result.eval_metrics
+    if not metrics:  # finished by an earlier call that stopped before writing them
+        loaded = LoadedModel(result.model.eval(), config, f"run {config.out_dir}")
+        report = run_eval(loaded, [config], config.eval_batches,
+                          next(result.model.parameters()).device, show_progress=False)
+        metrics = report["slices"][0]["metrics"]
+    atomic_write_bytes(done, (json.dumps({"config": config.to_dict(), "metrics": metrics},
+                                         indent=1) + "\n").encode())
     return metrics
 
 

@@ -36,9 +36,10 @@ def pick_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: 
         logits = logits[:, :vocab_limit]
     if not do_sample:
         return logits.argmax(-1)
-    # Shifted to a maximum of 0 before the division: a tiny temperature then sends the
-    # others to -inf instead of the largest to inf (whose softmax is NaN).
-    logits = logits.float()
+    # Shifted to a maximum of 0 before the division, in float64 (a temperature below
+    # float32's smallest number would be 0 there): a tiny temperature then sends the others
+    # to -inf instead of the largest to inf or NaN.
+    logits = logits.double()
     logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if top_k is not None:
         kth = logits.topk(min(top_k, logits.shape[-1]), -1).values[:, -1:]
@@ -58,8 +59,9 @@ def generate(model: NatsForCausalLM, input_ids: torch.Tensor, max_new_tokens: in
     Returns ``[B, T + n]``; generation stops early once every row has produced
     ``eos_token_id``. Every row of ``input_ids`` is a whole prompt of ``T`` tokens: there
     is no padding mask (a padded row would continue after its padding), so prompts of
-    other lengths are generated one batch per length. The model decodes in evaluation mode (:func:`nats.eval_mode.eval_mode`:
-    argmax routes, its routing statistics untouched, its mode restored after).
+    other lengths are generated one batch per length. The model decodes in evaluation
+    mode (:func:`nats.eval_mode.eval_mode`: argmax routes, its routing statistics
+    untouched, its mode restored after).
     ``cuda_graph`` replays the decode steps from a CUDA graph
     (:class:`nats.cuda_graph.GraphedDecoder`); by default it does on a GPU.
     ``max_prompt_tokens`` refuses longer prompts: the prefill is one forward pass, whose

@@ -389,6 +389,9 @@ def architecture_layers(arch: str, n_layers: int, softmax_every: int = 2) -> tup
     if arch not in ARCHITECTURES:
         raise ConfigError(f"unknown architecture {arch!r}: must be one of "
                           f"{', '.join(ARCHITECTURES)}")
+    if not whole_at_least(n_layers):
+        raise ConfigError(f"NatsConfig.n_layers = {n_layers!r} is invalid: must be an integer "
+                          ">= 1")
     uniform = {"transformer": "softmax", "gdn": "linear", "natsl-all": "nats"}
     if arch in uniform:  # softmax_every does not apply
         return (uniform[arch],) * n_layers

@@ -6,6 +6,7 @@ knows the same about how a model was trained.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,16 +74,13 @@ def _load_run(path: Path, device: str | torch.device) -> LoadedModel:
     train_config = read_train_config(path / TRAIN_CONFIG_FILE)
     model_dir = path / "model"
     newest = latest_checkpoint(path)
-    model = None
-    if model_dir.is_dir() and (newest is not None or (model_dir / CONFIG_FILE).is_file()):
-        try:
-            model = NatsForCausalLM.from_pretrained(model_dir, device=device)
-        except (ValueError, OSError) as e:
-            if newest is None:
-                raise
-            return _load_checkpoint(newest, device, origin=f"run {path} (newest checkpoint; "
-                                                           f"model/ unusable: {e})")
-    if model is not None:
+    if model_dir.is_dir() and newest is not None and not _whole_files(model_dir):
+        print(f"nats: warning: {model_dir} is incomplete or its weights cannot be read; "
+              f"using the newest checkpoint, {newest.name}", file=sys.stderr)
+        return _load_checkpoint(newest, device, origin=f"run {path} (newest checkpoint; "
+                                                       "model/ incomplete or unreadable)")
+    if (model_dir / CONFIG_FILE).is_file():
+        model = NatsForCausalLM.from_pretrained(model_dir, device=device)
         if model.config != train_config.model:
             raise ValueError(f"{model_dir} holds another model than {path / TRAIN_CONFIG_FILE} "
                              "describes")
@@ -101,6 +99,19 @@ def _load_run(path: Path, device: str | torch.device) -> LoadedModel:
     if newest is None:
         raise ValueError(f"{path} holds no trained model: neither model/ nor a checkpoint")
     return _load_checkpoint(newest, device, origin=f"run {path} (newest checkpoint)")
+
+
+def _whole_files(model_dir: Path) -> bool:
+    """Whether ``model_dir`` holds both files of a saved model and its weights file can be
+    read (the state a run killed between the two writes, or a damaged copy, is not)."""
+    if not ((model_dir / CONFIG_FILE).is_file() and (model_dir / WEIGHTS_FILE).is_file()):
+        return False
+    try:
+        with safe_open(str(model_dir / WEIGHTS_FILE), framework="pt") as f:
+            f.keys()
+    except Exception:  # safetensors raises its own error types for a damaged file
+        return False
+    return True
 
 
 def _load_model_folder(path: Path, device: str | torch.device) -> LoadedModel:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import csv
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -340,3 +341,62 @@ def test_report_json_is_standard_json() -> None:
     text = json.dumps(_plain(data), allow_nan=False)
     assert json.loads(text) == {"front": [{"eval/ce": None, "cost": None, "n": 3, "ok": True}],
                                 "hist": [1.5, 2.0], "7": None, "path": "a/b"}
+
+
+def test_an_analysis_cut_short_keeps_the_earlier_page(run: Path, tmp_path: Path,
+                                                      monkeypatch) -> None:
+    """Interrupted while the new files move in, the earlier ``report.html`` is still there
+    whole (it moves last) and no staging folder is left."""
+    from nats.analysis import report as report_module
+
+    out = tmp_path / "report"
+    assert main(["analyze", str(run), "--out", str(out)]) == 0
+    page = (out / "report.html").read_text()
+    moves = []
+    real_replace = os.replace
+
+    def cut_short(src, dst):
+        moves.append(Path(dst).name)
+        if len(moves) == 2:
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+
+    monkeypatch.setattr(report_module.os, "replace", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        report_module.analyze(run, out, progress=False)
+    assert (out / "report.html").read_text() == page
+    assert "report.html" not in moves[:1] and not list(out.glob(".nats-analyze-*"))
+
+
+def test_out_folder_checks(run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                           ) -> None:
+    """Bad options of a search report are errors before any work; a failed analysis leaves
+    none of the folders it made; a folder another analysis is writing, a folder named like
+    a report file and a link to nothing are one-line errors; what a killed analysis left is
+    cleared."""
+    search = tmp_path / "search"
+    _search_dir(run, search)
+    for bad in (["--batches", "0"], ["--device", "bogus"]):
+        assert main(["analyze", str(search), "--out", str(tmp_path / "a" / "b"), *bad]) == 2
+        assert capsys.readouterr().err.count("\n") == 1
+    NatsForCausalLM(MODEL.replace(vocab_size=32000)).save_pretrained(tmp_path / "bpe")
+    assert main(["analyze", str(tmp_path / "bpe"), "--out", str(tmp_path / "a" / "b")]) == 2
+    assert not (tmp_path / "a").exists()
+    out = tmp_path / "busy"
+    (out / f".nats-analyze-{os.getpid()}-0a1b").mkdir(parents=True)
+    (out / "report.html").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    capsys.readouterr()
+    for target, message in ((out, "is being written by another analysis"),
+                            (tmp_path / "link", "is a link to")):
+        assert main(["analyze", str(run), "--out", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1
+    (out / f".nats-analyze-{os.getpid()}-0a1b").rmdir()
+    (out / ".nats-analyze-999999999-0a1b").mkdir()  # no such process: a killed analysis
+    (out / ".cost.png.x1y2.tmp").write_bytes(b"half a picture")
+    assert main(["analyze", str(run), "--out", str(out)]) == 2
+    assert "not a report's (report.html)" in capsys.readouterr().err
+    (out / "report.html").rmdir()
+    assert main(["analyze", str(run), "--out", str(out)]) == 0
+    assert not list(out.glob(".*"))

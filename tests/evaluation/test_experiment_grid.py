@@ -205,6 +205,19 @@ def test_a_script_row_resumes_after_an_interruption_and_is_read_back_once_done(
 
     monkeypatch.setattr(common, "train", no_training)
     assert common.train_row(config) == metrics
+    with pytest.raises(ValueError, match="holds a row of another config"):
+        common.train_row(config.replace(lr=config.lr * 2))
+
+
+def test_a_row_finished_before_its_metrics_were_written_is_evaluated(tmp_path: Path) -> None:
+    """A run trained to the end whose metrics file is missing (trained by an older script,
+    or killed just before the write): its saved model is evaluated, as training would."""
+    config = _base().replace(out_dir=str(tmp_path / "row"))
+    trained = common.train(config)
+    metrics = common.train_row(config)
+    assert metrics == pytest.approx(trained.eval_metrics)
+    assert json.loads((tmp_path / "row" / common.ROW_METRICS_FILE).read_text())[
+        "metrics"] == metrics
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -158,9 +158,10 @@ def test_a_tiny_temperature_samples_the_argmax():
     """Scaled after the shift to a maximum of 0: a tiny temperature is greedy, not NaN."""
     model = tiny_model(("nats",))
     prompt = torch.randint(0, 50, (3, 7), generator=torch.Generator().manual_seed(2))
-    assert torch.equal(model.generate(prompt, 6, do_sample=True, temperature=1e-40,
-                                      generator=torch.Generator().manual_seed(0)),
-                       model.generate(prompt, 6))
+    for temperature in (1e-40, 1e-50, 5e-324):  # below float32's smallest: 0 there
+        assert torch.equal(model.generate(prompt, 6, do_sample=True, temperature=temperature,
+                                          generator=torch.Generator().manual_seed(0)),
+                           model.generate(prompt, 6))
 
 
 def test_generated_ids_stay_below_the_vocab_limit():
@@ -193,19 +194,20 @@ def test_generated_ids_stay_below_the_vocab_limit():
     ({"max_new_tokens": -1}, "max_new_tokens must be an integer >= 0, got -1"),
 ])
 def test_generate_checks_its_settings_before_any_work(kwargs, message, monkeypatch):
-    """Whether or not it samples, and with no token to generate: a setting no token could be
-    generated with is refused before the prefill runs."""
+    """Whether or not it samples: a setting no token could be generated with is refused
+    before the prefill runs, and also with no token to generate."""
     model = tiny_model(("nats",))
 
     def no_prefill(*_):
         raise AssertionError("the prefill ran")
 
     monkeypatch.setattr(model, "prefill", no_prefill)
-    new = kwargs.pop("max_new_tokens", 0)
+    new = kwargs.pop("max_new_tokens", 2)  # tokens to generate: the prefill would run
     for do_sample in (False, True):
-        with pytest.raises(ValueError, match=message):
-            model.generate(torch.zeros(1, 2, dtype=torch.long), new, do_sample=do_sample,
-                           **kwargs)
+        for tokens in {new, 0} if new > 0 else {new}:
+            with pytest.raises(ValueError, match=message):
+                model.generate(torch.zeros(1, 2, dtype=torch.long), tokens,
+                               do_sample=do_sample, **kwargs)
 
 
 def test_generate_rejects_bad_arguments():

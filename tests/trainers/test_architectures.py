@@ -47,6 +47,8 @@ def test_bad_architectures_are_one_line_errors() -> None:
         architecture_layers("mamba", 2)
     with pytest.raises(ConfigError, match=r"softmax_every = 3.*1 \.\. n_layers = 2"):
         architecture_layers("layer-hybrid", 2, softmax_every=3)
+    with pytest.raises(ConfigError, match=r"n_layers = 0 is invalid: must be an integer >= 1"):
+        architecture_layers("natsl", 0)
 
 
 def test_nats_train_arch_flag_trains_the_baseline(tmp_path) -> None:

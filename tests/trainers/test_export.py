@@ -262,7 +262,7 @@ def test_checkpoint_file_and_a_run_without_model_dir(run: Path, tmp_path: Path) 
 
 @pytest.mark.parametrize("cut", ["weights missing", "weights truncated", "empty"])
 def test_a_model_folder_cut_short_gives_way_to_the_checkpoint(run: Path, tmp_path: Path,
-                                                              cut: str) -> None:
+                                                              cut: str, capsys) -> None:
     """A run killed between ``model/``'s two files (its config is written first), or whose
     ``model/`` is damaged, is exported from its newest checkpoint, which holds the model."""
     copy = tmp_path / "run"
@@ -276,10 +276,23 @@ def test_a_model_folder_cut_short_gives_way_to_the_checkpoint(run: Path, tmp_pat
         shutil.rmtree(copy / "model")
         (copy / "model").mkdir()
     result = export_architecture(copy, tmp_path / "a", eval_batches=0)
-    assert result.origin.startswith(f"run {copy} (newest checkpoint; model/ unusable: ")
-    assert result.origin.endswith("step 4")
+    assert result.origin == (f"run {copy} (newest checkpoint; model/ incomplete or "
+                             "unreadable), step 4")
+    assert "nats: warning: " in capsys.readouterr().err
     reference = _logits(NatsForCausalLM.from_pretrained(run / "model"), run)
     assert torch.equal(_logits(NatsForCausalLM.from_pretrained(tmp_path / "a"), run), reference)
+
+
+def test_a_hand_edited_model_folder_is_not_replaced_by_the_checkpoint(run: Path,
+                                                                     tmp_path: Path) -> None:
+    """A whole ``model/`` whose config no longer loads is the user's error to see, not a
+    reason to switch silently to the checkpoint."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    config = json.loads((copy / "model" / "config.json").read_text())
+    (copy / "model" / "config.json").write_text(json.dumps({**config, "chunk_size": 7}))
+    with pytest.raises(ValueError, match="chunk_size"):
+        export_architecture(copy, tmp_path / "a", eval_batches=0)
 
 
 def test_refusals(run: Path, tmp_path: Path) -> None:
