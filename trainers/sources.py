@@ -18,6 +18,7 @@ from nats.model import CONFIG_FILE, WEIGHTS_FILE, NatsForCausalLM, read_json_obj
 from .checkpoint import (
     CorruptCheckpoint,
     latest_checkpoint,
+    list_checkpoints,
     read_checkpoint_meta,
     read_checkpoint_tensors,
 )
@@ -77,8 +78,7 @@ def _load_run(path: Path, device: str | torch.device) -> LoadedModel:
     if model_dir.is_dir() and newest is not None and not _whole_files(model_dir):
         print(f"nats: warning: {model_dir} is incomplete or its weights cannot be read; "
               f"using the newest checkpoint, {newest.name}", file=sys.stderr)
-        return _load_checkpoint(newest, device, origin=f"run {path} (newest checkpoint; "
-                                                       "model/ incomplete or unreadable)")
+        return _load_newest_whole(path, device, "model/ incomplete or unreadable")
     if (model_dir / CONFIG_FILE).is_file():
         model = NatsForCausalLM.from_pretrained(model_dir, device=device)
         if model.config != train_config.model:
@@ -98,7 +98,28 @@ def _load_run(path: Path, device: str | torch.device) -> LoadedModel:
         return LoadedModel(model.eval(), train_config, f"run {path} (model/, {when})")
     if newest is None:
         raise ValueError(f"{path} holds no trained model: neither model/ nor a checkpoint")
-    return _load_checkpoint(newest, device, origin=f"run {path} (newest checkpoint)")
+    return _load_newest_whole(path, device)
+
+
+def _load_newest_whole(run: Path, device: str | torch.device, why: str = "") -> LoadedModel:
+    """The model of the run's newest checkpoint that loads whole; each newer damaged one
+    is skipped with a warning, as resuming skips it (a run killed mid-save, a bad copy).
+    None whole: the newest one's error."""
+    skipped: list[tuple[Path, ValueError]] = []
+    for _, checkpoint in reversed(list_checkpoints(run)):
+        which = "newest whole checkpoint" if skipped else "newest checkpoint"
+        try:
+            loaded = _load_checkpoint(checkpoint, device,
+                                      origin=f"run {run} ({which}{'; ' + why if why else ''})")
+        except ValueError as e:
+            skipped.append((checkpoint, e))
+            continue
+        for path, error in skipped:
+            print(f"nats: warning: skipping checkpoint {path.name}: {error}", file=sys.stderr)
+        return loaded
+    if not skipped:
+        raise ValueError(f"{run} holds no checkpoint")
+    raise skipped[0][1]
 
 
 def _whole_files(model_dir: Path) -> bool:

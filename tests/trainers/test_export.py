@@ -465,3 +465,24 @@ def test_an_export_folder_is_made_as_mkdir_makes_one_and_kept_when_given(
     assert (tmp_path / "link").is_symlink() and (tmp_path / "given").stat().st_mode & 0o777 == 0o750
     assert sorted(p.name for p in (tmp_path / "given").iterdir()) == \
         ["README.md", "config.json", "model.safetensors", "training.json"]
+
+
+def test_a_run_without_model_folder_skips_a_damaged_newest_checkpoint(
+        run: Path, tmp_path: Path, capsys) -> None:
+    """As resuming does: the newest checkpoint that loads whole is the model, with a
+    warning naming the skipped one; with none whole, the newest one's error."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("model"))
+    newest = latest_checkpoint(copy)
+    older = newest.with_name("step_00000002.safetensors")
+    shutil.copyfile(newest, older)  # an intact earlier save (of the same weights)
+    newest.write_bytes(newest.read_bytes()[:300])
+    result = export_architecture(copy, tmp_path / "a", eval_batches=0)
+    assert result.origin == f"run {copy} (newest whole checkpoint), step 4"
+    assert f"skipping checkpoint {newest.name}" in capsys.readouterr().err
+    reference = _logits(NatsForCausalLM.from_pretrained(run / "model"), run)
+    assert torch.equal(_logits(NatsForCausalLM.from_pretrained(tmp_path / "a"), run), reference)
+    older.unlink()
+    with pytest.raises(ValueError, match=newest.name):
+        export_architecture(copy, tmp_path / "b", eval_batches=0)
+    assert "skipping" not in capsys.readouterr().err
