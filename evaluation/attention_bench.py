@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -29,8 +28,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from nats.atomic_write import atomic_write_bytes, check_output_file
 from nats.config import LINEAR_OPS, whole_at_least
 from nats.kernels.linear_ops import LINEAR_OP_SPECS
+from nats.kernels.reference.chunks import CHUNK_SIZES
 from nats.layers.linear_ops import LinearOperator, TokenGates
 
 SOFTMAX_METHODS = ("softmax_naive", "softmax_sdpa")
@@ -76,6 +77,8 @@ class AttentionBenchConfig:
                 raise ValueError(f"{name} = {list(values)} must be positive integers")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype = {self.dtype!r} must be one of {tuple(DTYPES)}")
+        if self.chunk_size not in CHUNK_SIZES:
+            raise ValueError(f"chunk_size = {self.chunk_size!r} must be one of {CHUNK_SIZES}")
         bad = [op for op in self.ops if op not in LINEAR_OP_SPECS]
         if bad or not self.ops:
             raise ValueError(f"ops = {list(self.ops)} must be operators from "
@@ -109,8 +112,9 @@ class Timing:
 
     method: str
     length: int
-    mean_ms: float = math.nan
-    std_ms: float = math.nan
+    mean_ms: float | None = None
+    """``None`` where nothing was measured (``status`` says why)."""
+    std_ms: float | None = None
     runs: int = 0
     peak_mib: float | None = None
     """CUDA: peak memory allocated during a run, above what was held before it."""
@@ -313,6 +317,11 @@ def run_attention_benchmark(cfg: AttentionBenchConfig, out_json: Path | None,
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA GPU is available")
+    if out_json is not None:  # before measuring: a wrong --out must not cost the run
+        if out_json.suffix == ".png":
+            raise ValueError(f"--out {out_json}: the JSON file (its plot is written beside "
+                             "it as .png)")
+        check_output_file(out_json)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     result = AttentionBenchResult(cfg, name)
     total = len(cfg.seq_lens) * len(forward_method_names(cfg)) + len(cfg.decode_contexts) * (
@@ -349,9 +358,8 @@ def format_row(row: Timing) -> str:
 
 def write_json(path: Path, result: AttentionBenchResult) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
-    tmp.replace(path)
+    atomic_write_bytes(path, (json.dumps(result.to_dict(), indent=2, allow_nan=False)
+                              + "\n").encode())
 
 
 def plot_result(result: AttentionBenchResult, path: Path) -> Path:

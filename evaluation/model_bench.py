@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from nats.atomic_write import atomic_write_bytes
+from nats.atomic_write import atomic_write_bytes, check_output_file
 from nats.config import NatsConfig, whole_at_least
 from nats.cuda_graph import warm_then_capture
 from nats.latency import median_ms
@@ -90,6 +90,9 @@ class ModelBenchConfig:
             if any(not whole_at_least(v)
                    for v in getattr(self, name)):
                 raise ValueError(f"--{name.replace('_', '-')} must be integers >= 1")
+        if not (self.train_lens or self.prefill_lens or self.decode_contexts):
+            raise ValueError("--train-lens, --prefill-lens and --decode-contexts are all "
+                             "empty: nothing to measure")
         for name in ("compile", "cuda_graph"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -251,6 +254,8 @@ def run_model_benchmark(config: ModelBenchConfig, out_json: Path | None,
         raise ValueError("nats bench model --device cuda needs a CUDA GPU (--device cpu "
                          "checks the command with small shapes)")
     device = resolve_device(config.device)
+    if out_json is not None:
+        check_output_file(out_json)  # before measuring
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

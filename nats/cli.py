@@ -242,6 +242,11 @@ def _convert(args: argparse.Namespace) -> int:
     else:
         model = _load(args.source, "cpu")
         save_official(model, out)
+        if model.config.chunk_size < 64:
+            print(f"nats: warning: chunk_size {model.config.chunk_size}: the official kernels "
+                  "assert routing blocks of at least 64 tokens on Hopper GPUs (in training, "
+                  "and in inference past 32 tokens); this folder loads here, and may not "
+                  "run there", file=sys.stderr)
     kinds = ", ".join(f"{n} {k}" for k, n in
                       sorted({k: model.config.layer_types.count(k)
                               for k in model.config.layer_types}.items()))

@@ -224,7 +224,7 @@ class NatsConfig:
         if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
                                    or not 0 < target < 1):
             _fail("softmax_target", target, "null (no budget) or a number in (0, 1)")
-        if self.linear_op not in LINEAR_OP_SPECS:
+        if not isinstance(self.linear_op, str) or self.linear_op not in LINEAR_OP_SPECS:
             _fail("linear_op", self.linear_op, f"one of {tuple(LINEAR_OP_SPECS)}")
         from nats.kernels.ops import BACKENDS
 

@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 import torch
 from safetensors.torch import load_file
 
-from .config import ConfigError, NatsConfig
+from .config import ConfigError, NatsConfig, positive_finite, whole_at_least
 from .model import NatsForCausalLM, read_json_object, write_model_files
 
 MODEL_TYPE = "neural_attention_search_linear_attn_gdn"
@@ -52,6 +52,7 @@ UNSUPPORTED: dict[str, tuple[Any, Any, str]] = {
     "allow_neg_eigval": (False, False, "beta is sigmoid(b_proj x) here, never scaled by 2"),
     "hidden_act": ("swish", "swish", "the MLP is SwiGLU here"),
     "attn_max_position_embeddings": (None, None, "rotary positions are not capped here"),
+    "outputs_are_wighted": (True, True, "the branches are merged with learned weights here"),
 }
 """Official config keys whose other values this layer does not compute: key -> (the one
 value that converts, the official config class's default, what this layer does instead).
@@ -72,12 +73,40 @@ def _fail(key: str, value: Any, allowed: str) -> NoReturn:
     raise ConfigError(f"official config {key} = {value!r} cannot be converted: {allowed}")
 
 
+def _int(config: Mapping[str, Any], key: str, default: int, least: int = 1) -> int:
+    """An integer field of an official config (absent or null: its class's default)."""
+    value = config.get(key)
+    if value is None:
+        return default
+    if not whole_at_least(value, least):
+        _fail(key, value, f"an integer >= {least}")
+    return value
+
+
+def _number(config: Mapping[str, Any], key: str, default: float) -> float:
+    """A positive number field of an official config (absent or null: the default)."""
+    value = config.get(key)
+    if value is None:
+        return default
+    if not positive_finite(value):
+        _fail(key, value, "a finite number > 0")
+    return float(value)
+
+
+def _flag(config: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = config.get(key, default)
+    if not isinstance(value, bool):
+        _fail(key, value, "true or false")
+    return value
+
+
 def mlp_width(config: Mapping[str, Any]) -> int:
     """The official MLP's hidden width: ``intermediate_size``, else fla's ``GatedMLP`` rule
     (2/3 of ``hidden_ratio`` times the width, rounded up to a multiple of 256)."""
     if config.get("intermediate_size") is not None:
-        return int(config["intermediate_size"])
-    width = int(config["hidden_size"] * (config.get("hidden_ratio") or 4) * 2 / 3)
+        return _int(config, "intermediate_size", 0)
+    width = int(_int(config, "hidden_size", 2048) * _number(config, "hidden_ratio", 4.0)
+                * 2 / 3)
     return 256 * ((width + 255) // 256)
 
 
@@ -94,29 +123,35 @@ def config_from_official(config: Mapping[str, Any], vocab_size: int | None = Non
         value = config.get(key, default)
         if value != wanted:
             _fail(key, value, f"only {wanted!r} converts ({why})")
-    heads = int(config.get("num_heads", 6))
+    heads = _int(config, "num_heads", 6)
     for key in ("num_nats_head", "num_v_heads"):
         if config.get(key) not in (None, heads):
             _fail(key, config[key], f"only null or num_heads={heads} converts (one routing "
                   "head per linear head here)")
-    attn_heads = int(config.get("num_attn_heads", 12))
+    attn_heads = _int(config, "num_attn_heads", 12)
     if attn_heads % heads:
         _fail("num_attn_heads", attn_heads, f"a multiple of num_heads={heads} converts")
-    head_dim = int(config.get("head_dim", 256))
-    head_dim_v = head_dim * float(config.get("expand_v", 2.0))
-    if head_dim_v != int(head_dim_v):
+    head_dim = _int(config, "head_dim", 256)
+    # The official layer's value width is int(head_dim * expand_v): a ratio written with
+    # float rounding (120 / 88) means the whole number it is within rounding of.
+    head_dim_v = head_dim * _number(config, "expand_v", 2.0)
+    if not math.isclose(head_dim_v, round(head_dim_v), rel_tol=1e-9):
         _fail("expand_v", config.get("expand_v"), "head_dim * expand_v must be whole")
+    head_dim_v = round(head_dim_v)
     sampler = config.get("nats_sample_strategy", "argmax")
     if sampler not in SAMPLERS:
         _fail("nats_sample_strategy", sampler, f"one of {tuple(SAMPLERS)}")
-    n_layers = int(config.get("num_hidden_layers", 21))
-    gdn = set(config.get("gdn_layers") or ())
+    n_layers = _int(config, "num_hidden_layers", 21)
+    gdn_list = config.get("gdn_layers") or []
+    if not isinstance(gdn_list, list) or not all(whole_at_least(i, 0) for i in gdn_list):
+        _fail("gdn_layers", gdn_list, "a list of layer indices")
+    gdn = set(gdn_list)
     if not gdn <= set(range(n_layers)):
         _fail("gdn_layers", sorted(gdn), f"indices below num_hidden_layers={n_layers}")
-    block = int(config.get("nats_block_size", 64))
+    block = _int(config, "nats_block_size", 64)
     if block > MAX_BLOCK:
         _fail("nats_block_size", block, f"at most {MAX_BLOCK} converts ({WHY_BLOCK})")
-    hidden = int(config.get("hidden_size", 2048))
+    hidden = _int(config, "hidden_size", 2048)
     width = mlp_width(config)
     if width % 8:
         _fail("intermediate_size", width, "a multiple of 8 (the MLP width here)")
@@ -125,19 +160,20 @@ def config_from_official(config: Mapping[str, Any], vocab_size: int | None = Non
         ratio = math.nextafter(ratio, 0.0)
     recipe = NatsConfig().official_recipe()
     cfg = recipe.replace(
-        vocab_size=int(vocab_size if vocab_size is not None else config.get("vocab_size", 32000)),
+        vocab_size=vocab_size if vocab_size is not None else _int(config, "vocab_size", 32000),
         d_model=hidden, n_layers=n_layers, n_heads=heads,
         softmax_heads_per_head=attn_heads // heads, head_dim_k=head_dim,
-        head_dim_v=int(head_dim_v), chunk_size=block,
+        head_dim_v=head_dim_v, chunk_size=block,
         layer_types=tuple("linear" if i in gdn else "nats" for i in range(n_layers)),
         sampler=SAMPLERS[sampler],
-        route_grad="both" if config.get("compute_dnats_for_invalid_blocks_attn") else "selected",
-        branch_gamma=True, mlp_ratio=ratio, norm_eps=float(config.get("norm_eps", 1e-6)),
-        conv_size=int(config.get("conv_size", 4)),
-        rope=bool(config.get("attn_apply_pos_encoding", True)),
-        rope_theta=float(config.get("attn_rope_theta") or 10000.0),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        initializer_range=float(config.get("initializer_range", 0.02)))
+        route_grad="both" if _flag(config, "compute_dnats_for_invalid_blocks_attn", False)
+        else "selected",
+        branch_gamma=True, mlp_ratio=ratio, norm_eps=_number(config, "norm_eps", 1e-6),
+        conv_size=_int(config, "conv_size", 4),
+        rope=_flag(config, "attn_apply_pos_encoding", True),
+        rope_theta=_number(config, "attn_rope_theta", 10000.0),
+        tie_embeddings=_flag(config, "tie_word_embeddings", False),
+        initializer_range=_number(config, "initializer_range", 0.02))
     return cfg
 
 
@@ -162,6 +198,12 @@ def config_to_official(cfg: NatsConfig) -> dict[str, Any]:
     if "softmax" in cfg.layer_types:
         raise ConfigError(f"NatsConfig.layer_types = {list(cfg.layer_types)} cannot be "
                           "converted to the official layout: it has no softmax layer")
+    if int(cfg.head_dim_k * (cfg.head_dim_v / cfg.head_dim_k)) != cfg.head_dim_v:
+        raise ConfigError(f"NatsConfig.head_dim_v = {cfg.head_dim_v} cannot be converted to "
+                          f"the official layout: the official layer reads its width as "
+                          f"int(head_dim * expand_v), which gives "
+                          f"{int(cfg.head_dim_k * (cfg.head_dim_v / cfg.head_dim_k))} for "
+                          f"head_dim_k = {cfg.head_dim_k}")
     return {
         "model_type": MODEL_TYPE, "architectures": [ARCHITECTURE], "attn_mode": "chunk",
         "hidden_size": cfg.d_model, "expand_v": cfg.head_dim_v / cfg.head_dim_k,
@@ -286,8 +328,9 @@ def load_official(folder: str | os.PathLike) -> tuple[NatsConfig, dict[str, torc
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         weight_map = read_json_object(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index} has no weight_map object (tensor name -> file)")
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index} has no weight_map object (tensor name -> file name)")
         shards = sorted(set(weight_map.values()))
     elif (folder / "model.safetensors").is_file():
         shards = ["model.safetensors"]
@@ -299,7 +342,10 @@ def load_official(folder: str | os.PathLike) -> tuple[NatsConfig, dict[str, torc
         raise FileNotFoundError(f"{folder} holds no model.safetensors")
     state: dict[str, torch.Tensor] = {}
     for shard in shards:
-        state.update(load_file(str(folder / shard)))
+        try:
+            state.update(load_file(str(folder / shard)))
+        except Exception as e:  # safetensors' own error types for a damaged file
+            raise ValueError(f"{folder / shard} cannot be read ({e})") from None
     embed = state.get("model.embeddings.weight", state.get("embeddings.weight"))
     if embed is None:
         raise ValueError(f"{folder} holds no model.embeddings.weight: not an official NAtS-L "
@@ -318,4 +364,12 @@ def save_official(model: NatsForCausalLM, folder: str | os.PathLike) -> None:
     """Write ``model`` as an official model folder (``config.json``, ``model.safetensors``)
     that the official code's ``AutoModelForCausalLM.from_pretrained`` reads."""
     state = state_to_official(model.state_dict(), model.config)  # no lm_head where tied
-    write_model_files(Path(folder), config_to_official(model.config), state)
+    folder = Path(folder)
+    stale_index = folder / "model.safetensors.index.json"
+    if stale_index.is_file():  # an earlier sharded save: its index would win over the file
+        weight_map = read_json_object(stale_index).get("weight_map")
+        for shard in set(weight_map.values()) if isinstance(weight_map, dict) else ():
+            if isinstance(shard, str) and "/" not in shard:
+                (folder / shard).unlink(missing_ok=True)
+        stale_index.unlink()
+    write_model_files(folder, config_to_official(model.config), state)

@@ -123,11 +123,13 @@ def _load_newest_whole(run: Path, device: str | torch.device, why: str = "") -> 
 
 
 def _whole_files(model_dir: Path) -> bool:
-    """Whether ``model_dir`` holds both files of a saved model and its weights file can be
-    read (the state a run killed between the two writes, or a damaged copy, is not)."""
+    """Whether ``model_dir`` holds both files of a saved model, each readable (a run killed
+    between the two writes, or a damaged copy, does not); whether the config describes a
+    valid model is the loader's to say."""
     if not ((model_dir / CONFIG_FILE).is_file() and (model_dir / WEIGHTS_FILE).is_file()):
         return False
     try:
+        read_json_object(model_dir / CONFIG_FILE)
         with safe_open(str(model_dir / WEIGHTS_FILE), framework="pt") as f:
             f.keys()
     except Exception:  # safetensors raises its own error types for a damaged file

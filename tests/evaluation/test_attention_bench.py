@@ -52,7 +52,10 @@ def test_cli_writes_consistent_json_and_plot(tmp_path):
     run = subprocess.run([sys.executable, "-c", code, "bench", "attention", *TINY, "--out",
                           str(out)], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
-    data = json.loads(out.read_text())
+    def no_constants(name: str) -> None:
+        raise AssertionError(f"{name} is not JSON")
+
+    data = json.loads(out.read_text(), parse_constant=no_constants)  # standard JSON only
     cfg = data["config"]
     assert (cfg["seq_lens"], cfg["decode_contexts"], cfg["batch"]) == ([16, 40], [8, 32], 2)
     methods = ["softmax_naive", "softmax_sdpa",
@@ -63,6 +66,7 @@ def test_cli_writes_consistent_json_and_plot(tmp_path):
         assert method in methods and length in (16, 40)
         if method.endswith("_recurrent") and length == 40:
             assert row["status"].startswith("skipped: longer than recurrent_max_len=16")
+            assert row["mean_ms"] is None and row["std_ms"] is None
             continue
         assert row["status"] == "ok"
         assert row["runs"] == (1 if method.endswith("_recurrent") else 2)
@@ -87,6 +91,9 @@ def test_bad_values_are_one_line_errors():
     assert run.returncode == 2
     assert run.stderr.strip() == "nats: error: runs = 0 must be a positive integer"
     for option, value, message in (("--chunk-size", "0", "chunk_size = 0 must be a positive"),
+                                   ("--chunk-size", "48", "chunk_size = 48 must be one of"),
+                                   ("--out", "a.png", "--out a.png: the JSON file"),
+                                   ("--out", ".", "--out . is a folder: give a file name"),
                                    ("--device", "bogus", "device 'bogus' is invalid")):
         run = subprocess.run([sys.executable, "-m", "nats.cli", "bench", "attention",
                               "--device", "cpu", option, value], capture_output=True, text=True)

@@ -68,6 +68,10 @@ def test_the_command_and_its_refusals(tmp_path: Path, capsys) -> None:
         in capsys.readouterr().err
     assert main([*args, "--device", "bogus"]) == 2
     assert "device 'bogus' is invalid" in capsys.readouterr().err
+    assert main([*args, "--out", str(tmp_path)]) == 2  # before measuring
+    assert f"--out {tmp_path} is a folder" in capsys.readouterr().err
+    assert main([*args, "--train-lens", "--prefill-lens", "--decode-contexts"]) == 2
+    assert "nothing to measure" in capsys.readouterr().err
     assert main(["bench", "decode", "--steps", "0"]) == 2
     assert "--steps must be integers >= 1, got [0]" in capsys.readouterr().err
     assert main([*args, "--cuda-graph"]) == 2  # graphs replay on a GPU only

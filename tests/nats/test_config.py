@@ -22,6 +22,7 @@ from nats import ConfigError, NatsConfig
         ({"backend": "cuda"}, r"NatsConfig\.backend = 'cuda' .*'auto', 'reference', 'triton'"),
         ({"linear_op": "mamba"}, r"NatsConfig\.linear_op = 'mamba' .*one of \('gated_deltanet', "
                                  r"'deltanet', 'gated_linear_attention', 'linear_attention'\)"),
+        ({"linear_op": ["deltanet"]}, r"NatsConfig\.linear_op = \['deltanet'\] .*one of"),
         ({"rope": True, "head_dim_k": 6, "head_dim_v": 6, "softmax_heads_per_head": 2},
          r"NatsConfig\.rope = True .*odd"),
         # Strings that read as false in JSON would switch the feature on.

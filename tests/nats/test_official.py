@@ -341,3 +341,65 @@ def test_parity_script_compares_a_converted_folder_with_the_official_outputs(
             assert row["max_abs_error"] == 0 and row["route_flips"] == 0
         else:  # autocast on the CPU: rounding, the scale the report sets beside it
             assert 0 < row["mean_abs_error"] < 10 * row["own_bf16_mean_abs_error"] + 1e-3
+
+
+def test_value_widths_the_official_layer_reads_otherwise_are_refused():
+    """The official layer's value width is int(head_dim * expand_v): 120 / 88 written as a
+    float gives 119 there, so that model is refused; a ratio within rounding of a whole
+    width reads back as that width here."""
+    cfg = config_from_official(TINY, vocab_size=40)
+    with pytest.raises(ConfigError, match=r"head_dim_v = 120 .* gives 119"):
+        config_to_official(cfg.replace(head_dim_k=88, head_dim_v=120))
+    assert config_from_official({**TINY, "head_dim": 88, "expand_v": 120 / 88},
+                                vocab_size=40).head_dim_v == 120
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_heads": "two"}, "num_heads = 'two' cannot be converted: an integer >= 1"),
+    ({"num_heads": 0}, "num_heads = 0 cannot be converted: an integer >= 1"),
+    ({"hidden_size": 0}, "hidden_size = 0 cannot be converted"),
+    ({"head_dim": 16.5}, "head_dim = 16.5 cannot be converted: an integer"),
+    ({"gdn_layers": 5}, "gdn_layers = 5 cannot be converted: a list of layer indices"),
+    ({"hidden_ratio": "4", "intermediate_size": None}, "hidden_ratio = '4'"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings = 'false' .* true or false"),
+    ({"outputs_are_wighted": False}, "outputs_are_wighted = False"),
+])
+def test_official_config_fields_of_the_wrong_type_are_named(change, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_official({**TINY, **change}, vocab_size=40)
+
+
+def test_null_official_fields_take_the_config_class_defaults():
+    for key, ours, default in (("conv_size", "conv_size", 4), ("norm_eps", "norm_eps", 1e-6),
+                               ("nats_block_size", "chunk_size", 64)):
+        assert getattr(config_from_official({**TINY, key: None}, vocab_size=40), ours) \
+            == default
+
+
+def test_damaged_official_weights_and_a_stale_index_under_force(tmp_path, capsys):
+    """A truncated file is a one-line error; converting over a folder that held a sharded
+    save (with --force) removes its index and shards, which would win over the new file."""
+    official = tmp_path / "official"
+    official.mkdir()
+    (official / "config.json").write_text(json.dumps(TINY))
+    state = random_official_state(TINY, 40)
+    save_file(state, str(official / "model.safetensors"))
+    data = (official / "model.safetensors").read_bytes()
+    (official / "model.safetensors").write_bytes(data[:200])
+    assert main(["convert", "from-official", str(official), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "model.safetensors cannot be read" in err and err.count("\n") == 1
+    (official / "model.safetensors").write_bytes(data)
+    save_file(state, str(official / "shard-1.safetensors"))
+    (official / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: "shard-1.safetensors" for k in state}}))
+    torch.manual_seed(3)
+    model = NatsForCausalLM(config_from_official(TINY, vocab_size=40))
+    model.save_pretrained(tmp_path / "ours")
+    assert main(["convert", "to-official", str(tmp_path / "ours"), "--out", str(official),
+                 "--force"]) == 0
+    assert sorted(p.name for p in official.iterdir()) == ["config.json", "model.safetensors"]
+    ids = torch.randint(0, 40, (1, 40))
+    torch.testing.assert_close(model_from_official(official)(ids).logits,
+                               model.eval()(ids).logits)
+    assert "chunk_size 16: the official kernels assert" in capsys.readouterr().err

@@ -260,7 +260,8 @@ def test_checkpoint_file_and_a_run_without_model_dir(run: Path, tmp_path: Path) 
     assert torch.equal(_logits(NatsForCausalLM.from_pretrained(tmp_path / "b"), run), reference)
 
 
-@pytest.mark.parametrize("cut", ["weights missing", "weights truncated", "empty"])
+@pytest.mark.parametrize("cut", ["weights missing", "weights truncated", "empty",
+                                 "config garbled"])
 def test_a_model_folder_cut_short_gives_way_to_the_checkpoint(run: Path, tmp_path: Path,
                                                               cut: str, capsys) -> None:
     """A run killed between ``model/``'s two files (its config is written first), or whose
@@ -272,6 +273,8 @@ def test_a_model_folder_cut_short_gives_way_to_the_checkpoint(run: Path, tmp_pat
         weights.unlink()
     elif cut == "weights truncated":
         weights.write_bytes(weights.read_bytes()[:100])
+    elif cut == "config garbled":
+        (copy / "model" / "config.json").write_text("{\n")
     else:
         shutil.rmtree(copy / "model")
         (copy / "model").mkdir()
