@@ -11,6 +11,7 @@ import dataclasses
 import inspect
 import itertools
 import json
+import os
 import re
 import sys
 import textwrap
@@ -23,6 +24,8 @@ import torch
 from nats import NatsConfig, NatsForCausalLM
 
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
+EXIT_BROKEN_PIPE = 141
+"""What a shell reports for a command its pipe's reader stopped (128 + SIGPIPE)."""
 _BY_HAND = ("model", "out_dir", "data_paths")
 """``TrainConfig`` fields whose ``nats train`` options are written by hand (``--out``,
 ``--data``; the model's fields get options of their own). Every other field of
@@ -480,6 +483,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:  # the reader stopped (``nats info ... | head``): not an error
+        # Python would complain again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except (ValueError, OSError) as e:
         message = " ".join(str(e).split())
         print(f"nats: error: {message}", file=sys.stderr)

@@ -324,3 +324,25 @@ def test_out_of_memory_is_one_line(monkeypatch, capsys, error: BaseException) ->
     command_raising(RuntimeError("shape mismatch"))
     with pytest.raises(RuntimeError, match="shape mismatch"):
         main(["train"])
+
+
+def test_a_reader_that_stops_early_is_not_an_error(tmp_path) -> None:
+    """``nats info MODEL | head -1``: the reader is gone when the command writes; it ends
+    quietly with the shell's status for it (141), not with 'Broken pipe' on stderr. (The
+    reader here, ``true``, exits at once: a reader that reads a byte first would race with
+    the command's one write.)"""
+    import subprocess
+    import sys
+
+    import torch
+
+    from nats import NatsConfig, NatsForCausalLM
+
+    torch.manual_seed(0)
+    NatsForCausalLM(NatsConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=2,
+                               head_dim_k=16, head_dim_v=16, chunk_size=16,
+                               layer_types=("nats",))).save_pretrained(tmp_path / "m")
+    run = subprocess.run(
+        ["bash", "-c", f'{sys.executable} -m nats.cli info {tmp_path / "m"} | true; '
+                       'echo "${PIPESTATUS[0]}"'], capture_output=True, text=True)
+    assert run.stdout == "141\n" and run.stderr == ""
