@@ -33,7 +33,7 @@ FRAC = 0.25
 SEQ_LENS = (8192, 32768)
 DEVICE = "cuda"
 if os.environ.get("DRY_RUN"):  # a check of this script under the CPU interpreter
-    SHAPE = BenchShape(tokens=256, heads=2, head_dim_linear=32)
+    SHAPE = BenchShape(tokens=256, seq_lens=(128, 256), heads=2, head_dim_linear=32)
     SEQ_LENS, DEVICE = (128, 256), "cpu"
 TOKENS, HEADS, DIM, CHUNK = SHAPE.tokens, SHAPE.heads, SHAPE.head_dim_linear, SHAPE.chunk_size
 

@@ -32,7 +32,8 @@ SHAPE = BenchShape()
 CELLS = ((32768, 0.25), (32768, 1.0), (8192, 0.25), (8192, 1.0))
 DEVICE = "cuda"
 if os.environ.get("DRY_RUN"):  # a check of this script under the CPU interpreter
-    SHAPE = BenchShape(tokens=256, heads=2, head_dim_linear=64, chunk_size=32)
+    SHAPE = BenchShape(tokens=256, seq_lens=(128, 256), heads=2, head_dim_linear=64,
+                       chunk_size=32)
     CELLS, DEVICE = ((128, 0.5), (256, 1.0)), "cpu"
 TOKENS, HEADS, R, CHUNK = SHAPE.tokens, SHAPE.heads, SHAPE.softmax_heads_per_head, SHAPE.chunk_size
 DIM = SHAPE.head_dim_linear // R

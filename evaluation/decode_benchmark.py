@@ -63,6 +63,8 @@ def run_decode_benchmark(contexts: tuple[int, ...], fractions: tuple[float, ...]
     for name, values in (("--context", contexts), ("--steps", (steps,))):
         if any(not whole_at_least(v) for v in values):
             raise ValueError(f"{name} must be integers >= 1, got {list(values)}")
+    if not all(0 <= f <= 1 for f in fractions):
+        raise ValueError(f"--fractions must lie in [0, 1], got {list(fractions)}")
     if not torch.cuda.is_available():
         raise ValueError("nats bench decode needs a CUDA GPU")
     device = torch.device("cuda")

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .ops import hybrid_gated_delta_rule, hybrid_softmax_attention
-from .reference.chunks import SOFTMAX
+from .reference.chunks import CHUNK_SIZES, SOFTMAX
 from .streams import concurrently
 
 
@@ -31,6 +31,27 @@ class BenchShape:
     softmax_heads_per_head: int = 2
     head_dim_linear: int = 128
     chunk_size: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("tokens", "heads", "softmax_heads_per_head", "head_dim_linear"):
+            if not _count(getattr(self, name)):
+                raise ValueError(f"BenchShape.{name} = {getattr(self, name)!r} must be an "
+                                 "integer >= 1")
+        if self.chunk_size not in CHUNK_SIZES:
+            raise ValueError(f"BenchShape.chunk_size = {self.chunk_size!r} must be one of "
+                             f"{CHUNK_SIZES}")
+        if not self.seq_lens or not all(_count(t) and t <= self.tokens for t in self.seq_lens):
+            raise ValueError(f"BenchShape.seq_lens = {list(self.seq_lens)} must be integers "
+                             f"in [1, tokens = {self.tokens}] (a batch holds tokens // seq_len "
+                             "sequences)")
+        if not self.fractions or not all(isinstance(f, (int, float)) and not isinstance(f, bool)
+                                         and 0 <= f <= 1 for f in self.fractions):
+            raise ValueError(f"BenchShape.fractions = {list(self.fractions)} must be numbers "
+                             "in [0, 1]")
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 @dataclass

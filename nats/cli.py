@@ -159,11 +159,11 @@ def _token_ids(text: str, vocab_size: int) -> list[int]:
 def _bench(args: argparse.Namespace) -> int:
     from nats.kernels.bench import BenchShape, run_benchmark
 
+    shape = BenchShape(tokens=args.tokens, seq_lens=tuple(args.seq_lens),
+                       fractions=tuple(args.fractions), chunk_size=args.chunk_size)
     if not torch.cuda.is_available():
         raise ValueError("nats bench kernels needs a CUDA GPU: kernel timings under the CPU "
                          "interpreter mean nothing")
-    shape = BenchShape(tokens=args.tokens, seq_lens=tuple(args.seq_lens),
-                       fractions=tuple(args.fractions), chunk_size=args.chunk_size)
     run_benchmark(shape, args.out)
     return 0
 

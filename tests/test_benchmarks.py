@@ -47,6 +47,17 @@ def test_script_imports_without_running(path: Path, monkeypatch: pytest.MonkeyPa
     assert guards, "its work runs under `if __name__ == '__main__':`"
 
 
+@pytest.mark.parametrize("path", [p for p in SCRIPTS if "DRY_RUN" in p.read_text()],
+                         ids=lambda p: p.stem)
+def test_dry_run_shapes_are_valid(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DRY_RUN=1`` (the scripts' check under the CPU interpreter) builds its small shape
+    at import: a shape the benchmark's own checks refuse would fail only there."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("DRY_RUN", "1")
+    module = _load(path, monkeypatch)
+    assert getattr(module, "DEVICE", "cpu") == "cpu"
+
+
 def test_rounding_emulator_uses_the_gpu_tests_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
     """emulate_gdr_rounding.py may not import tests/, so it makes the GPU test's inputs
     itself; they must stay those of tests/kernels/inputs.py."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -346,3 +347,19 @@ def test_a_reader_that_stops_early_is_not_an_error(tmp_path) -> None:
         ["bash", "-c", f'{sys.executable} -m nats.cli info {tmp_path / "m"} | true; '
                        'echo "${PIPESTATUS[0]}"'], capture_output=True, text=True)
     assert run.stdout == "141\n" and run.stderr == ""
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["kernels", "--fractions", "2"], r"fractions = \[2.0\] must be numbers in \[0, 1\]"),
+    (["kernels", "--tokens", "100", "--seq-lens", "2048"], r"seq_lens = \[2048\] must be "
+                                                           r"integers in \[1, tokens = 100\]"),
+    (["kernels", "--chunk-size", "48"], r"chunk_size = 48 must be one of"),
+    (["decode", "--fractions", "1.5"], r"--fractions must lie in \[0, 1\], got \[1.5\]"),
+])
+def test_gpu_benchmarks_check_their_arguments_first(args, message, capsys) -> None:
+    """On any machine, before the GPU check: a wrong argument is the first thing said."""
+    from nats.cli import main
+
+    assert main(["bench", *args]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and err.count("\n") == 1
