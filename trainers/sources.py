@@ -145,7 +145,12 @@ def _load_model_folder(path: Path, device: str | torch.device) -> LoadedModel:
                            f"model folder {path} of run {path.parent}"))
     for run_config, origin in candidates:
         if run_config.is_file():
-            config = read_train_config(run_config)
+            try:
+                config = read_train_config(run_config)
+            except ValueError as e:  # the model is whole; only what trained it is unknown
+                print(f"nats: warning: {e}; the model is read without its training run",
+                      file=sys.stderr)
+                continue
             if config.model == model.config:
                 return LoadedModel(model, config, origin)
     return LoadedModel(model, None, f"model folder {path}")

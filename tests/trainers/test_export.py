@@ -489,3 +489,18 @@ def test_a_run_without_model_folder_skips_a_damaged_newest_checkpoint(
     with pytest.raises(ValueError, match=newest.name):
         export_architecture(copy, tmp_path / "b", eval_batches=0)
     assert "skipping" not in capsys.readouterr().err
+
+
+def test_an_export_with_a_damaged_training_file_still_loads(run: Path, tmp_path: Path,
+                                                            capsys) -> None:
+    """The model is whole; only the record of the run that trained it is damaged: it loads
+    without its run (as a model folder would), with a warning, not an error."""
+    from nats.trainers.sources import load_model
+
+    export_architecture(run, tmp_path / "e", eval_batches=0)
+    (tmp_path / "e" / "training.json").write_text("[")
+    loaded = load_model(tmp_path / "e", "cpu")
+    assert loaded.train_config is None and loaded.origin == f"model folder {tmp_path / 'e'}"
+    assert "not valid JSON" in capsys.readouterr().err
+    reference = _logits(NatsForCausalLM.from_pretrained(run / "model"), run)
+    assert torch.equal(_logits(loaded.model, run), reference)
