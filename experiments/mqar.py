@@ -4,8 +4,8 @@
     python experiments/mqar.py --scale gpu --device cuda      # full: < 1 h on one GPU
     python experiments/mqar.py --scale gpu-quick --device cuda  # ~4 min on one GPU
 
-Best of a small learning-rate grid (by mean accuracy over the test slices) per seed; the
-table shows mean ± std over seeds. The CPU scale is smaller in every direction: see SCALES.
+Best of a small learning-rate grid (by validation loss, never the test slices) per seed;
+the table shows mean ± std over seeds. The CPU scale is smaller in every direction: see SCALES.
 """
 
 from __future__ import annotations
