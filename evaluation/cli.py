@@ -41,6 +41,11 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--batches", type=int, default=DEFAULT_BATCHES,
                    help=f"evaluation batches per slice (default {DEFAULT_BATCHES})")
     p.add_argument("--batch-size", type=int, help="default: the run's batch size")
+    p.add_argument("--eval-seed", type=int, metavar="SEED",
+                   help="the stream of generated rows to evaluate on (and calibrate on, a "
+                        "stream apart): default the run's own eval_seed, the rows it was "
+                        "validated on; the experiments' test slices use 1001. Text windows "
+                        "are the corpus's held-out split whatever the seed")
     p.add_argument("--train-seq-len", type=int,
                    help="training length of an exported model (runs know their own)")
     p.add_argument("--prefill", type=int, nargs="+", default=[], metavar="T",
@@ -90,10 +95,10 @@ def eval_command(args: argparse.Namespace) -> int:
 
     check_eval_arguments(args.batches, args.prefill, args.out)
 
-    for name in ("batch_size", "train_seq_len"):
+    for name, least in (("batch_size", 1), ("train_seq_len", 1), ("eval_seed", 0)):
         value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if value is not None and value < least:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
     fractions = args.calibrate_budget
     if fractions is not None and len(fractions) == 1 and not 0 < fractions[0] < 1:
         raise ValueError(f"--calibrate-budget must lie in (0, 1), got {fractions[0]:g}")
@@ -125,6 +130,8 @@ def eval_command(args: argparse.Namespace) -> int:
     base = loaded.train_config or TrainConfig(  # an exported model: the task's defaults
         model=loaded.model.config, task=task, seq_len=seq_lens[0], device=args.device,
         **({"mqar_pairs": args.pairs[0]} if args.pairs else {}))
+    if args.eval_seed is not None:
+        base = base.replace(eval_seed=args.eval_seed)
     knobs = {"mqar_placement": args.placement, "mqar_filler": args.filler,
              "mqar_queries": args.queries, "needle_distractors": args.distractors,
              "needle_haystack": args.haystack}

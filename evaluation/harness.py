@@ -102,6 +102,7 @@ def evaluate_slice(model: NatsForCausalLM, config: TrainConfig, batches: int,
     out: dict[str, Any] = {
         "name": slice_name(config), "task": config.task, "params": slice_params(config),
         "seq_len": config.seq_len, "train_seq_len": train_seq_len,
+        "eval_seed": config.eval_seed,
         "length": length_label(config.seq_len, train_seq_len),
         "batches": batches, "batch_size": config.batch_size,
         "accuracy": m["eval/acc"], "sequence_accuracy": m["eval/seq_acc"],

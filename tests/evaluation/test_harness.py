@@ -142,6 +142,27 @@ def test_cli_writes_json_and_labels_lengths(tmp_path: Path, capsys) -> None:
     assert "wrote" in capsys.readouterr().out
 
 
+def test_cli_evaluates_on_the_stream_it_is_given(tmp_path: Path) -> None:
+    """By default the run's own eval_seed (its validation rows); --eval-seed another stream,
+    recorded per slice, whose rows are those the task draws from that seed."""
+    model = _model()
+    model.save_pretrained(tmp_path / "m")
+
+    def evaluate(*seed: str) -> dict:
+        out = tmp_path / f"r{''.join(seed)}.json"
+        assert main(["eval", str(tmp_path / "m"), "--task", "mqar", "--seq-len", "32",
+                     "--pairs", "4", "--batches", "2", "--batch-size", "4", "--device", "cpu",
+                     *(["--eval-seed", *seed] if seed else []), "--out", str(out)]) == 0
+        return json.loads(out.read_text())["slices"][0]
+
+    default, test = evaluate(), evaluate("1001")
+    assert (default["eval_seed"], test["eval_seed"]) == (TrainConfig.eval_seed, 1001)
+    config = slice_configs(_run_config(model, eval_seed=1001), "mqar", [32], [4])[0]
+    direct = run_eval(LoadedModel(model, config, "direct"), [config], 2, CPU,
+                      show_progress=False)["slices"][0]
+    assert test["loss"] == direct["loss"] and default["loss"] != test["loss"]
+
+
 def test_cli_calibrates_the_budget_and_saves_the_model(tmp_path: Path, capsys) -> None:
     model = _model(("nats", "nats"))
     model = NatsForCausalLM(model.config.replace(softmax_target=0.25))
@@ -264,6 +285,7 @@ def test_an_unknown_training_task_is_said(tmp_path: Path, capsys) -> None:
     (["{m}", "--task", "mqar", "--haystack", "text"], "not a knob of task 'mqar'"),
     (["{m}", "--pairs", "40"], "mqar_pairs = 40"),
     (["{m}", "--batches", "0"], "--batches must be"),
+    (["{m}", "--eval-seed", "-1"], "--eval-seed must be >= 0, got -1"),
     (["{m}", "--save-model", "{tmp}/c"], "give --calibrate-budget"),
     (["{m}", "--calibrate-budget", "0.3", "--save-model", "{m}"], "not an empty folder"),
     (["{m}", "--prefill", "64", "0"], "--prefill lengths must be integers >= 1, got [0]"),
