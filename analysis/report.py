@@ -32,6 +32,7 @@ from nats.atomic_write import atomic_write_bytes
 from nats.config import whole_at_least
 from nats.cost_model import compare_costs, fractions_from_measurement
 from nats.eval_mode import eval_mode
+from nats.folder_lock import LOCK_FILE, exclusive
 from nats.plotting import format_si, format_tokens, histogram, save_png
 from nats.trainers.evaluation import RelevantFn
 from nats.trainers.routing_maps import routing_figure
@@ -376,10 +377,11 @@ def analyze(source: str | os.PathLike, out_dir: str | os.PathLike, *, text: str 
     for a model or a search; returns the report's path and every file written.
 
     ``out_dir`` must be new, empty or an earlier report's folder, whose files the new
-    report replaces (also those it does not write again). The report is written into a
-    staging folder inside ``out_dir`` and moved in at the end, ``report.html`` last: an
-    analysis cut short leaves the earlier page whole, and a failed one leaves no new
-    folders."""
+    report replaces (also those it does not write again); it is held for the analysis
+    (:func:`nats.folder_lock.exclusive`), so a second one into it is refused. The report
+    is written into a staging folder inside ``out_dir`` and moved in at the end,
+    ``report.html`` last: an analysis cut short leaves the earlier page whole, and a failed
+    one leaves no new folders."""
     from nats.trainers import load_tokenizer, resolve_device
 
     out = Path(out_dir)
@@ -393,7 +395,30 @@ def analyze(source: str | os.PathLike, out_dir: str | os.PathLike, *, text: str 
     load_tokenizer(tokenizer)
     _check_report_folder(out)
     created = [p for p in (out, *out.parents) if not p.exists()]
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        with exclusive(out, "report folder"):  # a second analysis into it is refused
+            try:
+                written = _write_report(out, source, text=text, tokenizer=tokenizer,
+                                        batches=batches, device=device, progress=progress)
+            finally:  # removed while held: no other analysis can be using it
+                (out / LOCK_FILE).unlink(missing_ok=True)
+    finally:
+        for folder in created:  # innermost first; a failed analysis leaves none of them
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+    return out / REPORT_FILE, [out / name for name in written]
+
+
+def _write_report(out: Path, source: str | os.PathLike, *, progress: bool,
+                  **options: Any) -> list[str]:
+    """The report, staged inside ``out`` (held) and moved in, ``report.html`` last; the
+    names of the files written. What an analysis killed outright left is cleared first."""
+    for path in out.iterdir():
+        if _leftover(path):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
     stage = out / f"{STAGING_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
     stage.mkdir()
     try:
@@ -403,32 +428,26 @@ def analyze(source: str | os.PathLike, out_dir: str | os.PathLike, *, text: str 
             trial = search_sections(report, Path(source))
             if trial is not None:
                 _chosen_trial_sections(report, Path(source) / "trials" / trial, trial,
-                                       text=text, tokenizer=tokenizer, batches=batches,
-                                       device=device, progress=progress)
+                                       progress=progress, **options)
         else:
-            inp = load_model_input(source, text=text, tokenizer=tokenizer, batches=batches,
-                                   device=device)
-            model_sections(report, inp, progress=progress)
+            model_sections(report, load_model_input(source, **options), progress=progress)
         atomic_write_bytes(stage / "report.json", json.dumps(
             _plain(report.data), indent=2, allow_nan=False).encode())
         atomic_write_bytes(stage / REPORT_FILE,
                            render_page(title, report.sections).encode("utf-8"))
-        written = sorted(p.name for p in stage.iterdir() if p.name != REPORT_FILE)
-        stale = [p for p in _report_files(out) if p.name not in (*written, REPORT_FILE)]
-        for name in (*written, REPORT_FILE):
+        written = [*sorted(p.name for p in stage.iterdir() if p.name != REPORT_FILE),
+                   REPORT_FILE]
+        stale = [p for p in _report_files(out) if p.name not in written]
+        for name in written:
             os.replace(stage / name, out / name)
         for path in stale:
             path.unlink()
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-        for folder in created:  # innermost first; a failed analysis leaves none of them
-            if folder.is_dir() and not any(folder.iterdir()):
-                folder.rmdir()
-    return out / REPORT_FILE, [out / name for name in (*written, REPORT_FILE)]
+    return written
 
 
 STAGING_PREFIX = ".nats-analyze-"
-_STAGING = re.compile(re.escape(STAGING_PREFIX) + r"(\d+)-[0-9a-f]+")
 REPORT_NAMES = re.compile(r"(report\.html|report\.json|(chosen_)?tokens\.html|(chosen_)?"
                           r"(routing_map|cost|route_probs_layer\d+)\.png|pareto\.png"
                           r"|importance\.png)")
@@ -440,30 +459,19 @@ def _report_files(out: Path) -> list[Path]:
 
 
 def _leftover(path: Path) -> bool:
-    """A staging folder of an analysis no longer running, or the temporary file of a write
-    killed midway (``.NAME.*.tmp``) of a report file."""
-    staging = _STAGING.fullmatch(path.name)
-    if staging:
-        return not _running(int(staging.group(1)))
+    """What an analysis killed outright may leave (besides its lock file): its staging
+    folder, or the temporary file of a report file's write cut short (``.NAME.*.tmp``)."""
+    if path.name.startswith(STAGING_PREFIX):
+        return True
     parts = path.name.split(".")
     return path.name.startswith(".") and path.name.endswith(".tmp") and len(parts) > 3 \
         and REPORT_NAMES.fullmatch(".".join(parts[1:-2])) is not None
 
 
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 def _check_report_folder(out: Path) -> None:
     """``out`` is absent, empty or an earlier report's: nothing else is overwritten (an
-    export's routing map, a search's Pareto front). What analyses killed outright left
-    there is removed; an analysis into the same folder still running is refused."""
+    export's routing map, a search's Pareto front). Leftovers of a killed analysis are
+    cleared once the folder is held (:func:`_write_report`)."""
     if out.is_symlink() and not out.exists():
         raise FileNotFoundError(f"--out {out} is a link to {os.readlink(out)}, which does "
                                 "not exist")
@@ -471,19 +479,9 @@ def _check_report_folder(out: Path) -> None:
         raise FileExistsError(f"--out {out} is a file, not a folder")
     if not out.is_dir():
         return
-    for path in out.iterdir():
-        if _leftover(path):
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-    running = [p.name for p in out.iterdir() if _STAGING.fullmatch(p.name)]
-    if running:
-        raise FileExistsError(f"--out {out} is being written by another analysis (process "
-                              f"{_STAGING.fullmatch(running[0]).group(1)}): wait for it, or "
-                              "give another folder")
     others = sorted(p.name for p in out.iterdir()
-                    if not (p.is_file() and REPORT_NAMES.fullmatch(p.name)))
+                    if not ((p.is_file() and REPORT_NAMES.fullmatch(p.name))
+                            or p.name == LOCK_FILE or _leftover(p)))
     if others:
         shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
         raise FileExistsError(f"--out {out} holds files that are not a report's ({shown}): "

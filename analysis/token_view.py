@@ -141,7 +141,6 @@ def token_view_html(pieces: Sequence[str], routes: Sequence[torch.Tensor | None]
             f'{hover_json}</script><script>{{ {script} }}</script></div>')
 
 
-
 def token_view_page(pieces: Sequence[str], routes: Sequence[torch.Tensor | None],
                     chunk_size: int, probs: Sequence[torch.Tensor | None] | None = None,
                     relevant: Sequence[bool] | None = None, title: str = "Token routes",

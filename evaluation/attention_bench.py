@@ -72,8 +72,7 @@ class AttentionBenchConfig:
             raise ValueError("warmup and recurrent_max_len must be >= 0")
         for name in ("seq_lens", "decode_contexts"):
             values = getattr(self, name)
-            if not values or any(not whole_at_least(v)
-                                 for v in values):
+            if not values or any(not whole_at_least(v) for v in values):
                 raise ValueError(f"{name} = {list(values)} must be positive integers")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype = {self.dtype!r} must be one of {tuple(DTYPES)}")

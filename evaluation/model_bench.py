@@ -87,8 +87,7 @@ class ModelBenchConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, "
                                  f"got {value!r}")
         for name in ("train_lens", "prefill_lens", "decode_contexts"):
-            if any(not whole_at_least(v)
-                   for v in getattr(self, name)):
+            if any(not whole_at_least(v) for v in getattr(self, name)):
                 raise ValueError(f"--{name.replace('_', '-')} must be integers >= 1")
         if not (self.train_lens or self.prefill_lens or self.decode_contexts):
             raise ValueError("--train-lens, --prefill-lens and --decode-contexts are all "

@@ -16,6 +16,7 @@ import torch
 
 from nats import NatsConfig, NatsForCausalLM
 from nats.cli import main
+from nats.folder_lock import exclusive
 from nats.trainers import TrainConfig, train
 
 MODEL = NatsConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, softmax_heads_per_head=2,
@@ -383,17 +384,19 @@ def test_out_folder_checks(run: Path, tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(["analyze", str(tmp_path / "bpe"), "--out", str(tmp_path / "a" / "b")]) == 2
     assert not (tmp_path / "a").exists()
     out = tmp_path / "busy"
-    (out / f".nats-analyze-{os.getpid()}-0a1b").mkdir(parents=True)
-    (out / "report.html").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "nowhere")
     capsys.readouterr()
-    for target, message in ((out, "is being written by another analysis"),
-                            (tmp_path / "link", "is a link to")):
-        assert main(["analyze", str(run), "--out", str(target)]) == 2
+    with exclusive(out, "report folder"):  # another analysis is writing into it
+        assert main(["analyze", str(run), "--out", str(out)]) == 2
         err = capsys.readouterr().err
-        assert message in err and err.count("\n") == 1
-    (out / f".nats-analyze-{os.getpid()}-0a1b").rmdir()
-    (out / ".nats-analyze-999999999-0a1b").mkdir()  # no such process: a killed analysis
+        assert f"report folder {out} is in use by process {os.getpid()}" in err
+        assert err.count("\n") == 1
+    assert main(["analyze", str(run), "--out", str(tmp_path / "link")]) == 2
+    err = capsys.readouterr().err
+    assert "is a link to" in err and err.count("\n") == 1
+    (out / "report.html").mkdir()
+    # What a killed analysis leaves: its lock file (above), staging folder, a write's temp.
+    (out / ".nats-analyze-999999999-0a1b").mkdir()
     (out / ".cost.png.x1y2.tmp").write_bytes(b"half a picture")
     assert main(["analyze", str(run), "--out", str(out)]) == 2
     assert "not a report's (report.html)" in capsys.readouterr().err
