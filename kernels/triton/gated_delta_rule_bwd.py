@@ -94,7 +94,8 @@ def _state_bwd_kernel(q, k, w, do, v_new, dv_local, gc, z, h, dh, dv, dz, dgs, d
                       PREC: tl.constexpr):
     """``DELTA``: the delta rule (``dh`` loses ``w^T d v_new``); otherwise gated linear
     attention, whose ``v_new`` are the values and which has no ``w``."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    # Sequence x head on grid axis 0 with the value blocks: axis 1 stops at 65,535.
+    i_v, i_nh = tl.program_id(0) % tl.cdiv(V, BV), tl.program_id(0) // tl.cdiv(V, BV)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu + i_n).to(tl.int64), tl.load(cu + i_n + 1).to(tl.int64)
     c0, c1 = tl.load(chunk_offsets + i_n), tl.load(chunk_offsets + i_n + 1)
@@ -199,7 +200,9 @@ def _dqkwg_kernel(q, k, v_new, do, dv, gc, h, dh, dq, dk, dw, dgc, scale,
     share of the gate gradient (added into ``dgc``, zeroed, when ``K`` spans several
     blocks). Blocks of 64 keep the three ``[BT, BK]`` float32 accumulators in registers.
     Without ``DELTA`` (gated linear attention) there is no ``w``, so no ``dw``."""
-    i_s, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # A slot's key blocks are neighbours on axis 0, so they run together and the second
+    # finds do, v_new and dv in L2; axes 1-2 would cap the slots at CUDA's 65,535.
+    i_s, i_k, i_h = tl.program_id(0) // (K // BK), tl.program_id(0) % (K // BK), tl.program_id(1)
     _, t0, eos = slot_bounds(i_s, cu, chunk_offsets, chunk_seq, R, BT)
     if t0 >= eos:
         return
@@ -352,8 +355,8 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor | None, do: torc
     dh0 = (empty(n_seq, heads, d_k, d_v, dtype=torch.float32, device=q.device)
            if need_dh0 else None)
 
-    def grid(meta: dict) -> tuple[int, int]:
-        return triton.cdiv(d_v, meta["BV"]), n_seq * heads
+    def grid(meta: dict) -> tuple[int]:
+        return (triton.cdiv(d_v, meta["BV"]) * n_seq * heads,)
     _state_bwd_kernel[grid](q, k, w, do, v_new, dvl, gc, z, h, dh, dv, dz, dgs, dht, dh0,
                             scale, cmap.cu_seqlens, cmap.chunk_offsets,
                             H=heads, K=d_k, V=d_v, BT=bt, R=r, USE_DHT=dht is not None,
@@ -375,7 +378,7 @@ def dqkwg(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, do: torch.Tenso
     bk = min(d_k, DQKWG_BLOCK_K)
     dgc = (empty if bk == d_k else torch.zeros)(*q.shape[:3], dtype=torch.float32,
                                                  device=q.device)
-    _dqkwg_kernel[(cmap.chunk_seq.numel() * r, heads, d_k // bk)](
+    _dqkwg_kernel[(cmap.chunk_seq.numel() * r * (d_k // bk), heads)](
         q, k, v_new, do, dv, gc, h, dh, dq, dk, dw, dgc, scale, cmap.cu_seqlens,
         cmap.chunk_offsets, cmap.chunk_seq, H=heads, K=d_k, V=do.shape[-1], BT=bt, R=r,
         BK=bk, DELTA=dv is not None, PREC=dot_precision(q.dtype))

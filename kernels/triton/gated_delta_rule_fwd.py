@@ -310,7 +310,8 @@ def _state_fwd_kernel(k, w, u, gc, z, h, v_new, h0, ht, cu, chunk_offsets,
                       STORE_HT: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
     """``DELTA``: the delta rule (``v_new = u - w h``, stored); otherwise ``u`` are the
     values themselves and nothing is subtracted (gated linear attention)."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    # Sequence x head on grid axis 0 with the value blocks: axis 1 stops at 65,535.
+    i_v, i_nh = tl.program_id(0) % tl.cdiv(V, BV), tl.program_id(0) // tl.cdiv(V, BV)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu + i_n).to(tl.int64), tl.load(cu + i_n + 1).to(tl.int64)
     c0, c1 = tl.load(chunk_offsets + i_n), tl.load(chunk_offsets + i_n + 1)
@@ -375,7 +376,9 @@ def _state_fwd_kernel(k, w, u, gc, z, h, v_new, h0, ht, cu, chunk_offsets,
 def _output_kernel(q, k, v_new, gc, h, o, scale, cu, chunk_offsets, chunk_seq,
                    H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                    R: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-    i_v, i_s, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # Slots on grid axis 0 with the value blocks: axes 1-2 stop at 65,535 (CUDA).
+    i_v, i_s, i_h = (tl.program_id(0) % tl.cdiv(V, BV), tl.program_id(0) // tl.cdiv(V, BV),
+                     tl.program_id(1))
     _, t0, eos = slot_bounds(i_s, cu, chunk_offsets, chunk_seq, R, BT)
     if t0 >= eos:
         return
@@ -454,8 +457,8 @@ def state_fwd(k: torch.Tensor, w: torch.Tensor | None, u: torch.Tensor, gc: torc
     ht = (empty(n_seq, heads, d_k, d_v, dtype=torch.float32, device=k.device)
           if output_final_state else None)
 
-    def grid(meta: dict) -> tuple[int, int]:
-        return triton.cdiv(d_v, meta["BV"]), n_seq * heads
+    def grid(meta: dict) -> tuple[int]:
+        return (triton.cdiv(d_v, meta["BV"]) * n_seq * heads,)
     _state_fwd_kernel[grid](k, w, u, gc, z, h, v_new, h0, ht, cmap.cu_seqlens,
                             cmap.chunk_offsets, H=heads, K=d_k, V=d_v, BT=bt, R=r,
                             USE_H0=h0 is not None, STORE_HT=output_final_state,
@@ -471,8 +474,8 @@ def output_fwd(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, gc: torch.
     d_v = v_new.shape[-1]
     o = empty(*v_new.shape, dtype=out_dtype, device=q.device)
 
-    def grid(meta: dict) -> tuple[int, int, int]:
-        return triton.cdiv(d_v, meta["BV"]), h.shape[0], heads
+    def grid(meta: dict) -> tuple[int, int]:
+        return triton.cdiv(d_v, meta["BV"]) * h.shape[0], heads
     _output_kernel[grid](q, k, v_new, gc, h, o, scale, cmap.cu_seqlens, cmap.chunk_offsets,
                          cmap.chunk_seq, H=heads, K=d_k, V=d_v, BT=bt, R=r,
                          PREC=dot_precision(q.dtype))

@@ -74,6 +74,7 @@ CPU_CASES = [
     (1, 70, 32, 32, 32, "random", torch.float16, "both", True, True),
     (2, 70, 16, 16, 32, "softmax", torch.float32, "selected", True, False),
     (1, 70, 16, 16, 64, "random", torch.float32, "both", False, True),
+    (2, 45, 16, 64, 16, "random", torch.float32, "both", True, True),  # two value blocks
     (2, 45, 32, 16, 64, "linear", torch.float16, "selected", True, True),
     (1, 150, 16, 16, 128, "random", torch.float32, "selected", True, True),
     (1, 150, 16, 16, 128, "softmax", torch.float16, "both", True, True),
@@ -228,6 +229,17 @@ def test_bf16_varlen_matches_reference_on_gpu(chunk: int) -> None:
     routes = routes_with_softmax_fraction(1, n_total, heads, 0.25)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE)
     compare(x, routes, chunk, torch.bfloat16, "selected", True, True, 1e-2, 1e-2, cu)
+
+
+@pytest.mark.gpu
+def test_more_slots_and_sequences_than_a_grid_axis_holds_on_gpu() -> None:
+    """65,600 kernel-chunk slots and 65,600 (sequence, head) pairs: CUDA caps grid axes 1
+    and 2 at 65,535, where the output kernel once put the slots and the state kernels the
+    (sequence, head) pairs, so a large batch of short sequences failed to launch."""
+    batch, seq_len, heads, d, chunk = 16_400, 64, 4, 16, 16
+    x = gdr_inputs(batch, seq_len, heads, d, d, dtype=torch.float32, seed=13)
+    routes = routes_with_softmax_fraction(batch, num_chunks(seq_len, chunk), heads, 0.25)
+    compare(x, routes, chunk, torch.bfloat16, "both", True, True, 1e-2, 1e-2)
 
 
 @pytest.mark.gpu
