@@ -231,8 +231,16 @@ def _write_json(path: Path, shape: BenchShape, rows: list[BenchRow]) -> None:
     tmp.write_text(json.dumps({
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": triton.__version__, "shape": asdict(shape),
-        "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
+        "rows": [_json_row(r) for r in rows]}, indent=2, allow_nan=False) + "\n")
     tmp.replace(path)
+
+
+def _json_row(row: BenchRow) -> dict:
+    """``row`` as standard JSON: a time not measured (NaN) is null."""
+    def plain(v: float) -> float | None:
+        return None if math.isnan(v) else v
+    return {**asdict(row), "fwd_ms": plain(row.fwd_ms), "fwd_bwd_ms": plain(row.fwd_bwd_ms),
+            "extra": {k: plain(v) for k, v in row.extra.items()}}
 
 
 def format_table(rows: list[BenchRow], header: bool = True, base: BenchRow | None = None) -> str:
