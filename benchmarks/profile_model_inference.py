@@ -6,9 +6,9 @@ all-linear model and NAtS-L at forced softmax fractions 0 and 0.25. For each: pr
 (``model.prefill``, the cache built) and the plain no-gradient forward at 4k and 32k
 tokens, batch 1, as wall time (GPU caught up) and host time (the call's return, the GPU
 idle before it: equal to the wall time where the host bounds the call); for NAtS-L at
-0.25 and 4k a ``cProfile`` of the prefill and its CUDA kernels; for every form, the
-kernels of one eager decode step after a 1k-token prompt (count, GPU time, names), which
-is what a graphed decode step replays.
+0.25 and 4k a ``cProfile`` of the prefill; for every form and length the prefill's CUDA
+kernels (``torch.profiler``, by GPU time), and the kernels of one eager decode step after
+a 1k-token prompt (count, GPU time, names), which is what a graphed decode step replays.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def host_ms(fn: Callable[[], object], n: int = 5) -> float:
     return total / n * 1e3
 
 
-def print_profile(fn: Callable[[], object]) -> None:
+def print_host_profile(fn: Callable[[], object]) -> None:
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(3):
@@ -63,11 +63,14 @@ def print_profile(fn: Callable[[], object]) -> None:
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats(key).print_stats(35)
         print(text.getvalue(), flush=True)
+
+
+def print_kernels(fn: Callable[[], object], rows: int) -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as kprof:
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    print(kprof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30), flush=True)
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows), flush=True)
 
 
 def decode_kernels(model: NatsForCausalLM, vocab: int, device: torch.device) -> None:
@@ -98,8 +101,10 @@ def profile_form(variant: Variant, config: ModelBenchConfig, device: torch.devic
                              ("forward", partial(model, ids))):
                 print(f"{variant.name} T={length} {name}: wall {wall_ms(fn):.2f} ms, "
                       f"host {host_ms(fn):.2f} ms", flush=True)
-                if variant.name == "nats@0.25" and length == LENGTHS[0] and name == "prefill":
-                    print_profile(fn)
+                if name == "prefill":
+                    if variant.name == "nats@0.25" and length == LENGTHS[0]:
+                        print_host_profile(fn)
+                    print_kernels(fn, 30 if variant.name == "nats@0.25" else 15)
         print(variant.name, flush=True)
         decode_kernels(model, config.vocab_size, device)
 
