@@ -23,7 +23,7 @@ import os
 import secrets
 import shutil
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,6 +32,7 @@ import torch
 from nats.atomic_write import atomic_write_bytes
 from nats.config import LAYER_LISTS, NatsConfig
 from nats.eval_mode import eval_mode
+from nats.folder_lock import LOCK_FILE, exclusive
 from nats.model import CONFIG_FILE, WEIGHTS_FILE, NatsForCausalLM
 from nats.plotting import save_png
 from nats.softmax_fraction import (
@@ -145,40 +146,57 @@ def export_model(model: NatsForCausalLM, out_dir: str | os.PathLike, *,
     config = trained.replace(layer_types=tuple(converted.get(i, t)
                                                for i, t in enumerate(trained.layer_types)))
     exported, carried, fresh = _carry_weights(model, config, converted, init_seed)
-    # Written into a staging folder and moved in at the end: an export cut short (Ctrl-C,
-    # a full disk) leaves no half model folder. The folder sits inside an existing ``out``
-    # (the same file system, whatever ``out`` links to or is mounted on), else beside it.
-    home = out if out.is_dir() else out.parent
-    home.mkdir(parents=True, exist_ok=True)
-    if home == out:  # the staging folders of exports into ``out`` killed outright
-        for stale in out.glob(f"{STAGING_PREFIX}*"):
-            shutil.rmtree(stale, ignore_errors=True)
-    stage = home / f"{STAGING_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-    stage.mkdir()  # the umask's permissions, as the folder it becomes
+    result = ExportResult(
+        out_dir=out, config=config, trained_layer_types=trained.layer_types,
+        fractions=fractions, converted=converted,
+        weights=out / WEIGHTS_FILE if weights else None,
+        training=out / TRAINING_FILE if train_config is not None else None,
+        training_task=train_config and train_config.task,
+        readme=out / README_FILE, origin=origin,
+        parameters=sum(p.numel() for p in exported.parameters()),
+        dtype=str(exported.embed.weight.dtype).removeprefix("torch."),
+        eval_description=eval_description or f"{len(eval_batches)} batch(es)",
+        carried=carried, fresh=fresh, routing_map=None)
+    created = [p for p in (out, *out.parents) if not p.exists()]
     try:
-        if weights:
+        with exclusive(out, "export folder"):  # a second export into it is refused
+            try:
+                check_out_dir(out, force)  # again, held: another export may have filled it
+                result = _write_export(out, exported, train_config, model,
+                                       eval_batches[0] if eval_batches else None, result,
+                                       init_seed)
+            finally:  # removed while held: no other export can be using it
+                (out / LOCK_FILE).unlink(missing_ok=True)
+    finally:
+        for folder in created:  # innermost first; a failed export leaves none of them
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+    return result
+
+
+def _write_export(out: Path, exported: NatsForCausalLM, train_config: TrainConfig | None,
+                  model: NatsForCausalLM, batch: Batch | torch.Tensor | None,
+                  result: ExportResult, init_seed: int) -> ExportResult:
+    """The export's files, written into a staging folder inside ``out`` (held) and moved in
+    at the end, so an export cut short (Ctrl-C, a full disk) leaves no half model;
+    ``result`` with its routing map. What an export killed outright left is cleared first."""
+    for stale in out.glob(f"{STAGING_PREFIX}*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    stage = out / f"{STAGING_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+    stage.mkdir()
+    try:
+        if result.weights is not None:
             exported.save_pretrained(stage)
         else:
             atomic_write_bytes(stage / CONFIG_FILE,
-                               (json.dumps(config.to_dict(), indent=2) + "\n").encode())
+                               (json.dumps(result.config.to_dict(), indent=2) + "\n").encode())
         if train_config is not None:
-            run = train_config.replace(model=config, init_from=None, out_dir=f"runs/{out.name}")
+            run = train_config.replace(model=result.config, init_from=None,
+                                       out_dir=f"runs/{out.name}")
             atomic_write_bytes(stage / TRAINING_FILE,
                                (json.dumps(run.to_dict(), indent=2) + "\n").encode())
-        routing_map = _draw_routes(model, eval_batches[0] if eval_batches else None,
-                                   stage / ROUTING_MAP_FILE)
-        result = ExportResult(
-            out_dir=out, config=config, trained_layer_types=trained.layer_types,
-            fractions=fractions, converted=converted,
-            weights=out / WEIGHTS_FILE if weights else None,
-            training=out / TRAINING_FILE if train_config is not None else None,
-            training_task=train_config and train_config.task,
-            readme=out / README_FILE, origin=origin,
-            parameters=sum(p.numel() for p in exported.parameters()),
-            dtype=str(exported.embed.weight.dtype).removeprefix("torch."),
-            eval_description=eval_description or f"{len(eval_batches)} batch(es)",
-            carried=carried, fresh=fresh,
-            routing_map=out / ROUTING_MAP_FILE if routing_map is not None else None)
+        if _draw_routes(model, batch, stage / ROUTING_MAP_FILE) is not None:
+            result = replace(result, routing_map=out / ROUTING_MAP_FILE)
         atomic_write_bytes(stage / README_FILE, render_readme(result, init_seed).encode())
         _move_in(stage, out)
     finally:
@@ -187,13 +205,10 @@ def export_model(model: NatsForCausalLM, out_dir: str | os.PathLike, *,
 
 
 def _move_in(stage: Path, out: Path) -> None:
-    """Put the staged export in place: the whole folder in one rename where ``out`` is
-    absent; into an existing ``out`` file by file, removing the export files this one
-    does not write (weights of another export, its task, its map)."""
-    if not out.is_dir():
-        stage.rename(out)
-        return
-    for name in EXPORT_FILES:
+    """Put the staged export in place, file by file, removing the export files this one
+    does not write (weights of another export, its task, its map); the config last, so
+    that a folder is not read as a model before its weights are in."""
+    for name in sorted(EXPORT_FILES, key=lambda n: n == CONFIG_FILE):
         if (stage / name).exists():
             os.replace(stage / name, out / name)
         else:
@@ -257,8 +272,8 @@ def check_out_dir(out: Path, force: bool) -> None:
     """``out`` may be absent or an empty folder; a non-empty one only with ``force``."""
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {out} is a file, not a folder")
-    if (out.is_dir() and any(not p.name.startswith(STAGING_PREFIX) for p in out.iterdir())
-            and not force):
+    if (out.is_dir() and any(not (p.name.startswith(STAGING_PREFIX) or p.name == LOCK_FILE)
+                             for p in out.iterdir()) and not force):
         raise FileExistsError(f"--out {out} is not empty; choose another folder, or pass "
                               "--force to replace the exported files in it")
 

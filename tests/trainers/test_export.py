@@ -504,3 +504,51 @@ def test_an_export_with_a_damaged_training_file_still_loads(run: Path, tmp_path:
     assert "not valid JSON" in capsys.readouterr().err
     reference = _logits(NatsForCausalLM.from_pretrained(run / "model"), run)
     assert torch.equal(_logits(loaded.model, run), reference)
+
+
+def test_an_export_into_a_folder_another_export_holds_is_refused(run: Path,
+                                                                 tmp_path: Path) -> None:
+    """Two exports into one folder at once: the second is refused and leaves the first's
+    staging folder alone (it used to delete every staging folder it found there)."""
+    from nats.folder_lock import FolderBusy, exclusive
+    from nats.trainers.export import STAGING_PREFIX
+
+    out = tmp_path / "out"
+    live_stage = out / f"{STAGING_PREFIX}1-live"
+    with exclusive(out, "export folder"):
+        live_stage.mkdir()
+        with pytest.raises(FolderBusy, match=f"export folder {out} is in use by process "
+                                             f"{os.getpid()}"):
+            export_architecture(run, out, eval_batches=0)
+        assert live_stage.is_dir()
+
+
+def test_what_a_killed_export_left_is_cleared(run: Path, tmp_path: Path) -> None:
+    """A lock file and a staging folder of an export killed outright neither make the
+    folder count as full nor stay behind."""
+    from nats.folder_lock import LOCK_FILE
+    from nats.trainers.export import STAGING_PREFIX
+
+    out = tmp_path / "out"
+    (out / f"{STAGING_PREFIX}99-dead").mkdir(parents=True)
+    (out / LOCK_FILE).write_text("99\n")
+    export_architecture(run, out, eval_batches=0)
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json",
+                                                     "model.safetensors", "training.json"]
+
+
+def test_the_config_is_moved_in_last(run: Path, tmp_path: Path, monkeypatch) -> None:
+    """A folder with a new config.json beside the old weights would load as a model:
+    the config follows the weights."""
+    out = tmp_path / "out"
+    moved: list[str] = []
+    replace = os.replace
+
+    def recording(src, dst) -> None:
+        if Path(dst).parent == out:
+            moved.append(Path(dst).name)
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", recording)
+    export_architecture(run, out, eval_batches=0)
+    assert moved[-1] == "config.json" and "model.safetensors" in moved
