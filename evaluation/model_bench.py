@@ -124,6 +124,23 @@ class ModelBenchConfig:
                           layer_types=layer_types)
 
 
+CPU_CHECK: dict[str, Any] = dict(
+    d_model=32, n_layers=2, n_heads=2, head_dim=16, vocab_size=64, chunk_size=16,
+    layer_hybrid_shares=(0.5,), train_lens=(32,), train_tokens=64, prefill_lens=(128,),
+    decode_contexts=(136,), decode_steps=20, repeats=1)
+"""``--device cpu``'s defaults: a model small enough to check the command in seconds (the
+GPU-sized one would take hours there; its numbers mean nothing either way)."""
+
+
+def default_config(device: str, **changes: Any) -> ModelBenchConfig:
+    """The defaults of ``device`` (the GPU-sized model on ``cuda``, :data:`CPU_CHECK`
+    elsewhere), then ``changes`` (None keeps a default)."""
+    base = {} if device.startswith("cuda") else dict(CPU_CHECK)
+    base.update({k: tuple(v) if isinstance(v, list) else v for k, v in changes.items()
+                 if v is not None})
+    return ModelBenchConfig(device=device, **base)
+
+
 @dataclass(frozen=True)
 class Variant:
     """One form of the model: its layer types and the forced softmax fraction of its

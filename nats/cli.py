@@ -176,16 +176,16 @@ def _bench_decode(args: argparse.Namespace) -> int:
 
 
 def _bench_model(args: argparse.Namespace) -> int:
-    from nats.evaluation.model_bench import ModelBenchConfig, ratio_table, run_model_benchmark
+    from nats.evaluation.model_bench import default_config, ratio_table, run_model_benchmark
 
-    config = ModelBenchConfig(
-        d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
+    config = default_config(
+        args.device, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
         head_dim=args.head_dim, vocab_size=args.vocab_size, chunk_size=args.chunk_size,
-        fractions=tuple(args.fractions), layer_hybrid_shares=tuple(args.layer_hybrid_shares),
-        train_lens=tuple(args.train_lens), train_tokens=args.train_tokens,
-        prefill_lens=tuple(args.prefill_lens), decode_contexts=tuple(args.decode_contexts),
+        fractions=args.fractions, layer_hybrid_shares=args.layer_hybrid_shares,
+        train_lens=args.train_lens, train_tokens=args.train_tokens,
+        prefill_lens=args.prefill_lens, decode_contexts=args.decode_contexts,
         decode_steps=args.decode_steps, repeats=args.repeats, compile=args.compile,
-        cuda_graph=args.cuda_graph, device=args.device)
+        cuda_graph=args.cuda_graph)
     report = run_model_benchmark(config, args.out)
     print(ratio_table(report))
     print(f"nats: wrote {args.out}")
@@ -422,28 +422,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_bench_model(bench_sub: argparse._SubParsersAction) -> None:
-    from nats.evaluation.model_bench import ModelBenchConfig
+    from nats.evaluation.model_bench import CPU_CHECK, ModelBenchConfig
 
     d = ModelBenchConfig()
+
+    def shown(name: str) -> str:
+        gpu, cpu = getattr(d, name), CPU_CHECK.get(name, getattr(d, name))
+        return f"default {gpu}" + ("" if cpu == gpu else f"; with --device cpu {cpu}")
+
     model = bench_sub.add_parser(
         "model", help="a 12-layer model: training tokens/s, memory, prefill and decode of "
                       "the transformer, all-linear, NAtS-L at forced fractions, layer hybrids")
     for name in ("d_model", "n_layers", "n_heads", "head_dim", "vocab_size", "chunk_size",
                  "train_tokens", "decode_steps", "repeats"):
-        model.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
+        model.add_argument(f"--{name.replace('_', '-')}", type=int, help=shown(name))
     for name in ("fractions", "layer_hybrid_shares"):
         model.add_argument(f"--{name.replace('_', '-')}", type=float, nargs="+",
-                           default=list(getattr(d, name)))
+                           help=shown(name))
     for name in ("train_lens", "prefill_lens", "decode_contexts"):
         model.add_argument(f"--{name.replace('_', '-')}", type=int, nargs="*",
-                           default=list(getattr(d, name)), help="none: skip this measure")
+                           help=f"none: skip this measure ({shown(name)})")
     model.add_argument("--compile", action="store_true",
                        help="torch.compile each model's training forward, as nats train "
                             "--compile does")
     model.add_argument("--cuda-graph", action="store_true",
                        help="replay each training step from a CUDA graph (captured after "
                             "warm-up steps): the step without Python and launch overhead")
-    model.add_argument("--device", default=d.device, help="cuda (the figures) or cpu (a check)")
+    model.add_argument("--device", default=d.device,
+                       help="cuda (the figures) or cpu (a check of the command, on a small "
+                            "model unless sizes are given)")
     model.add_argument("--out", type=Path, default=Path("bench/model.json"))
     model.set_defaults(func=_bench_model)
 

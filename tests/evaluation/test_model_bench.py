@@ -94,3 +94,21 @@ def test_a_measure_given_no_lengths_is_skipped(tmp_path: Path) -> None:
         ModelBenchConfig(**{**SMALL, "cuda_graph": 1})
     with pytest.raises(ValueError, match="--cuda-graph and --compile: give one"):
         ModelBenchConfig(**{**SMALL, "cuda_graph": True, "compile": True})
+
+
+def test_device_cpu_defaults_to_a_small_model(tmp_path: Path, capsys) -> None:
+    """``--device cpu`` alone checks the command on a small model (the GPU-sized defaults,
+    138 M parameters up to 128k tokens, would run for hours there); sizes given still win."""
+    out = tmp_path / "m.json"
+    assert main(["bench", "model", "--device", "cpu", "--fractions", "0.25", "--out",
+                 str(out)]) == 0
+    config = json.loads(out.read_text())["config"]
+    assert (config["d_model"], config["n_layers"], config["train_lens"],
+            config["prefill_lens"], config["layer_hybrid_shares"]) == (32, 2, [32], [128], [0.5])
+    assert main(["bench", "model", "--device", "cpu", "--fractions", "0.25", "--d-model", "64",
+                 "--n-heads", "4", "--prefill-lens", "--decode-contexts", "--out",
+                 str(out)]) == 0
+    config = json.loads(out.read_text())["config"]
+    assert (config["d_model"], config["n_heads"], config["head_dim"], config["prefill_lens"],
+            config["train_tokens"]) == (64, 4, 16, [], 64)
+    assert "| nats@0.25 | " in capsys.readouterr().out
