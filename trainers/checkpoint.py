@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -198,8 +199,21 @@ def _restore(meta: dict[str, Any], tensors: dict[str, torch.Tensor], model: torc
         for key in ("weight_decay", "lr_scale"):
             if key in fresh:
                 group[key] = fresh[key]
-    torch.set_rng_state(tensors["rng/cpu"])
-    n_cuda = sum(k.startswith("rng/cuda/") for k in tensors)
-    if n_cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([tensors[f"rng/cuda/{i}"] for i in range(n_cuda)])
+    restore_rng(tensors)
     return Restored(step=meta["step"], config=meta["config"])
+
+
+def restore_rng(tensors: dict[str, torch.Tensor]) -> None:
+    """The CPU generator and one per GPU this process sees, of those the checkpoint holds:
+    a run saved where more (or fewer) GPUs were visible resumes with a warning that the
+    others' random streams are not continued, instead of being refused as damaged."""
+    torch.set_rng_state(tensors["rng/cpu"])
+    saved = [tensors[f"rng/cuda/{i}"] for i in range(sum(k.startswith("rng/cuda/")
+                                                         for k in tensors))]
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for i, state in enumerate(saved[:visible]):
+        torch.cuda.set_rng_state(state, i)
+    if saved and len(saved) != visible:
+        print(f"nats: warning: the checkpoint holds the random state of {len(saved)} GPU(s) "
+              f"and this process sees {visible}: {min(len(saved), visible)} restored, "
+              "so the run does not repeat exactly", file=sys.stderr)

@@ -244,3 +244,26 @@ def test_checkpoints_from_before_the_scorer_group_resume(micro: MicroConfig) -> 
     assert torch.equal(optimizer.state[embed]["exp_avg"], legacy.state[old_embed]["exp_avg"])
     assert optimizer.param_groups[2]["lr_scale"] == 2.0  # the config's, not the file's
     assert optimizer.param_groups[2]["weight_decay"] == 0.0
+
+
+@pytest.mark.parametrize(("saved", "visible", "restored", "warned"),
+                         [(2, 1, [0], True), (1, 2, [0], True), (2, 2, [0, 1], False),
+                          (1, 0, [], True), (0, 0, [], False)])
+def test_gpu_random_states_follow_the_gpus_visible(monkeypatch, capsys, saved: int,
+                                                   visible: int, restored: list[int],
+                                                   warned: bool) -> None:
+    """A run saved with 2 GPUs visible (torchrun, or no CUDA_VISIBLE_DEVICES) resumed where
+    1 is: every checkpoint was refused as damaged (IndexError in set_rng_state_all)."""
+    from nats.trainers import checkpoint
+
+    calls: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: visible > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, i: calls.append(i))
+    cpu = torch.get_rng_state()
+    tensors = {"rng/cpu": cpu, **{f"rng/cuda/{i}": cpu.clone() for i in range(saved)}}
+    checkpoint.restore_rng(tensors)
+    assert calls == restored
+    err = capsys.readouterr().err
+    assert (f"holds the random state of {saved} GPU(s) and this process sees {visible}"
+            in err) == warned
