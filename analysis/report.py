@@ -44,9 +44,6 @@ from .token_view import TOKEN_VIEW_CSS, token_pieces, token_view_html, token_vie
 REPORT_FILE = "report.html"
 MAX_TEXT_TOKENS = 1024
 """A ``--text`` input is cut to this many tokens (the token view shows every one)."""
-BYTE_VOCAB_LIMIT = 512
-"""A model folder without its run is taken to read UTF-8 bytes (without ``--tokenizer``)
-only below this vocabulary: 256 bytes and a task's few markers (the needle task's 266)."""
 TABLE_CONTEXTS = (1024, 4096, 16384, 65536, 262144, 1048576)
 """Context lengths of the cost table (the picture shows 1K .. 1M in powers of two)."""
 
@@ -104,6 +101,7 @@ def load_model_input(source: str | os.PathLike, *, text: str | None = None,
     (:func:`nats.trainers.sources.load_model`)."""
     from nats.trainers import build_batches, load_tokenizer, resolve_device
     from nats.trainers.sources import load_model
+    from nats.trainers.tokenization import BYTE_VOCAB_LIMIT
 
     check_batches(batches)
     if is_search_folder(source):

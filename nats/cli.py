@@ -125,15 +125,17 @@ def _load(source: str, device: str) -> NatsForCausalLM:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from nats.trainers import generate_text, load_tokenizer
+    from nats.trainers import generate_text, resolve_device
+    from nats.trainers.sources import load_model, text_tokenizer
 
-    model = _load(args.model_dir, args.device)
+    loaded = load_model(args.model_dir, resolve_device(args.device))
+    model = loaded.model
     device = model.embed.weight.device
     generator = torch.Generator(device=device).manual_seed(args.seed)
     sampling = dict(do_sample=args.sample, temperature=args.temperature, top_k=args.top_k,
                     generator=generator, max_prompt_tokens=args.max_prompt_tokens)
     if args.tokens is None:
-        tokenizer = load_tokenizer(args.tokenizer)
+        tokenizer = text_tokenizer(loaded, args.tokenizer, args.model_dir)
         print(args.prompt + generate_text(model, args.prompt, args.max_new_tokens, tokenizer,
                                           **sampling))
         return 0
@@ -315,7 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="text, as UTF-8 bytes or through --tokenizer")
     prompt.add_argument("--tokens", help="token ids, e.g. '3 9 4 0' (any model)")
     gen.add_argument("--tokenizer", metavar="DIR",
-                     help="the tokenizer.json the model was trained with (default: bytes)")
+                     help="the tokenizer.json the model was trained with (default: a text "
+                          "run's own; bytes for a byte-level model)")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--max-prompt-tokens", type=int, default=4096,
                      help="refuse longer prompts (the prefill's memory grows with the "

@@ -23,6 +23,7 @@ from .checkpoint import (
     read_checkpoint_tensors,
 )
 from .config import TRAIN_CONFIG_FILE, TrainConfig
+from .tokenization import BYTE_VOCAB_LIMIT, Tokenizer, load_tokenizer
 
 TRAINING_FILE = "training.json"
 """An export's run config: the task and data its model was trained on."""
@@ -38,6 +39,25 @@ class LoadedModel:
     from one (its task and length are unknown)."""
     origin: str
     """One line for reports, e.g. ``run runs/tiny (model/, step 300)``."""
+
+
+def text_tokenizer(loaded: LoadedModel, tokenizer: str | None, source: str | os.PathLike,
+                   ) -> Tokenizer:
+    """The tokenizer that text for ``loaded`` goes through: ``tokenizer`` where given, else
+    the text run's own (bytes or its ``tokenizer.json``), else bytes for a byte-level
+    model; a larger vocabulary without its text run needs ``tokenizer`` (bytes fed to it
+    would be read as other tokens)."""
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer)
+    run = loaded.train_config
+    if run is not None and run.task == "text":
+        return load_tokenizer(run.tokenizer)
+    vocab = loaded.model.config.vocab_size
+    if vocab >= BYTE_VOCAB_LIMIT:
+        raise ValueError(f"{source} is a model with a {vocab}-token vocabulary, not of UTF-8 "
+                         "bytes, without its text run: give --tokenizer (the tokenizer.json "
+                         "it was trained with)")
+    return load_tokenizer(None)
 
 
 def load_model(source: str | os.PathLike, device: str | torch.device = "cpu") -> LoadedModel:

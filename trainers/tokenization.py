@@ -137,6 +137,11 @@ def tokenizer_file(path: str | Path) -> Path:
     return path
 
 
+BYTE_VOCAB_LIMIT = 512
+"""A model without its run is taken to read UTF-8 bytes (without a tokenizer given) only
+below this vocabulary: 256 bytes and a task's few markers (the needle task's 266)."""
+
+
 def load_tokenizer(path: str | Path | None) -> Tokenizer:
     """UTF-8 bytes when ``path`` is ``None``, else the tokenizer saved at ``path``."""
     return ByteTokenizer() if path is None else FileTokenizer(path)

@@ -482,3 +482,37 @@ def test_bytes_round_trip() -> None:
     assert ids == list(text.encode()) and max(ids) < 256
     assert ByteTokenizer().decode(ids) == text
     assert ByteTokenizer().decode([0xFF]) == "\ufffd"
+
+
+def test_text_for_a_model_goes_through_its_runs_tokenizer(tmp_path: Path, capsys) -> None:
+    """``nats generate`` fed a text run's prompt to it as raw bytes, ignoring the run's
+    tokenizer (a 300-token BPE model printed "the catttttt"); a model of a large
+    vocabulary without its run is refused, not fed bytes."""
+    from types import SimpleNamespace
+
+    from nats import NatsConfig, NatsForCausalLM
+    from nats.cli import main
+    from nats.trainers.sources import LoadedModel, text_tokenizer
+    from nats.trainers.tokenization import ByteTokenizer, FileTokenizer
+
+    folder = _train_tokenizer(tmp_path / "tok", _records(40))
+    model = NatsForCausalLM(NatsConfig(vocab_size=600, d_model=32, n_layers=2, n_heads=2,
+                                       head_dim_k=16, head_dim_v=16, chunk_size=16))
+    text_run = SimpleNamespace(task="text", tokenizer=str(folder))
+    chosen = text_tokenizer(LoadedModel(model, text_run, "a run"), None, "a run")
+    assert isinstance(chosen, FileTokenizer) and chosen.vocab_size == 300
+    mqar_run = SimpleNamespace(task="mqar", tokenizer=None)
+    with pytest.raises(ValueError, match="600-token vocabulary, not of UTF-8 bytes"):
+        text_tokenizer(LoadedModel(model, mqar_run, "a run"), None, "a run")
+    given = text_tokenizer(LoadedModel(model, None, "a folder"), str(folder), "a folder")
+    assert isinstance(given, FileTokenizer)
+    small = NatsForCausalLM(model.config.replace(vocab_size=266))
+    assert isinstance(text_tokenizer(LoadedModel(small, None, "x"), None, "x"), ByteTokenizer)
+
+    model.save_pretrained(tmp_path / "bpe")
+    assert main(["generate", str(tmp_path / "bpe"), "--prompt", "the cat"]) == 2
+    err = capsys.readouterr().err
+    assert "600-token vocabulary, not of UTF-8 bytes" in err and err.count("\n") == 1
+    assert main(["generate", str(tmp_path / "bpe"), "--prompt", "the cat", "--tokenizer",
+                 str(folder), "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out.startswith("the cat")
