@@ -534,21 +534,32 @@ def _start_local_ray(**options: Any) -> None:
 def _with_ray(address: str | None, fit: Any) -> Any:
     """Run ``fit`` on a Ray session (started here unless one is running).
 
-    Tune installs its own SIGINT handler and leaves it behind; the caller's is put back,
-    so Ctrl-C in a later training run (same process) reaches the trainer again.
+    SIGTERM (``kill``, ``timeout``, a cluster's scheduler) stops the search as Ctrl-C does:
+    Tune then saves its state with the running trials in it. Under Ray's own handler (exit
+    at once) Tune's last saved state predated the running trial, which ``--resume`` then
+    dropped while calling the search complete. Tune installs its own SIGINT handler and
+    leaves it behind; the caller's handlers are put back, so Ctrl-C in a later training
+    run (same process) reaches the trainer again.
     """
     import ray
 
-    started = _ray_init(address)
     main_thread = threading.current_thread() is threading.main_thread()
-    sigint = signal.getsignal(signal.SIGINT)
+    sigint, sigterm = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    started = _ray_init(address)
+    if main_thread:
+        signal.signal(signal.SIGTERM, _stop_as_on_ctrl_c)
     try:
         return fit()
     finally:
         if main_thread:
             signal.signal(signal.SIGINT, sigint)
+            signal.signal(signal.SIGTERM, sigterm)
         if started:
             ray.shutdown()
+
+
+def _stop_as_on_ctrl_c(signum: int, frame: Any) -> None:
+    signal.raise_signal(signal.SIGINT)  # whatever handles Ctrl-C now: Tune's, or Python's
 
 
 @dataclass(frozen=True)

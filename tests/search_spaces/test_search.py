@@ -198,9 +198,11 @@ def test_a_trial_whose_worker_dies_is_retried(tmp_path: Path, local_ray, capsys,
 
 
 def _interrupt_at_the_second_trial(out: Path, options: list[str],
-                                   capsys: pytest.CaptureFixture[str]) -> dict[str, int]:
-    """Run a search of 3 trials of 40 steps, one at a time, into ``out`` and stop it once the
-    second has started; the finished first trial's id and its model's mtime."""
+                                   capsys: pytest.CaptureFixture[str],
+                                   stop_signal: int = signal.SIGUSR1) -> dict[str, int]:
+    """Run a search of 3 trials of 40 steps, one at a time, into ``out`` and stop it with
+    ``stop_signal`` once the second has started; the finished first trial's id and its
+    model's mtime."""
     stop = threading.Event()
     finished: dict[str, int] = {}
 
@@ -213,7 +215,7 @@ def _interrupt_at_the_second_trial(out: Path, options: list[str],
                 for path in records:
                     if json.loads(path.read_text())["status"] == "done":
                         finished[path.parent.name] = (path.parent / "model").stat().st_mtime_ns
-                os.kill(os.getpid(), signal.SIGUSR1)
+                os.kill(os.getpid(), stop_signal)
                 return
             time.sleep(0.1)
 
@@ -245,6 +247,23 @@ def test_interrupted_search_resumes(tmp_path: Path, local_ray, capsys) -> None:
     got = _check_consistent(out, metric="acc", cost="kv")
     assert len(got["rows"]) == 3 and all(r["status"] == "done" for r in got["rows"])
     # Finished trials were kept, not trained again.
+    for trial_id, mtime in finished.items():
+        assert (out / "trials" / trial_id / "model").stat().st_mtime_ns == mtime
+
+
+def test_a_search_stopped_by_sigterm_resumes_its_running_trial(tmp_path: Path, local_ray,
+                                                               capsys) -> None:
+    """``kill`` (SIGTERM) stopped the driver at once: Tune's saved state predated the
+    running trial, and ``--resume`` dropped it (status "stopped", never trained) while
+    calling the search complete. It now stops as Ctrl-C does."""
+    out = tmp_path / "search"
+    sigterm = signal.getsignal(signal.SIGTERM)
+    finished = _interrupt_at_the_second_trial(out, [], capsys, signal.SIGTERM)
+    assert signal.getsignal(signal.SIGTERM) is sigterm
+
+    assert main(["search", "--resume", str(out)]) == 0
+    rows = _check_consistent(out)["rows"]
+    assert len(rows) == 3 and all(r["status"] == "done" for r in rows)
     for trial_id, mtime in finished.items():
         assert (out / "trials" / trial_id / "model").stat().st_mtime_ns == mtime
 
