@@ -92,7 +92,9 @@ def add_search_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "(optuna-dashboard reads either)")
     p.add_argument("--pick", metavar="N_OR_TRIAL",
                    help="export front entry #N (or a trial id) instead of the knee")
-    p.set_defaults(func=search_command)
+    options = {a.dest: (a.option_strings[0], a.default) for a in p._actions
+               if a.option_strings and a.dest not in ("help", "list_spaces")}
+    p.set_defaults(func=search_command, search_options=options)
     return p
 
 
@@ -153,7 +155,10 @@ def chosen_summary(exported: Any, context: int) -> list[str]:
 
 
 def _report(out: Path, errors: dict[str, str], pick_choice: str | None,
-            export: bool = True) -> None:
+            export: bool = True, pick_or_knee: bool = False) -> None:
+    """Results, the front and (``export``) the export of ``pick_choice`` (``None``: the
+    knee). ``pick_or_knee``: a choice that names no entry of the front exports the knee,
+    with a warning, rather than failing a search that has just run."""
     from nats.trainers.export import retrain_command
 
     from .results import EXPORT_DIR, collect, export_pick, pick, save_errors, table, write
@@ -171,7 +176,14 @@ def _report(out: Path, errors: dict[str, str], pick_choice: str | None,
     print(table(results, results.front, numbered=True))
     print(f"nats: wrote {', '.join(str(f) for f in files)}")
     if export and results.front:
-        index = pick(results, pick_choice)
+        try:
+            index = pick(results, pick_choice)
+        except ValueError as e:
+            if not pick_or_knee:
+                raise
+            print(f"nats: warning: {e}; exporting the knee instead (another entry: nats "
+                  f"search show {out} --pick N)", file=sys.stderr)
+            index = pick(results, None)
         row = results.rows[index]
         exported = export_pick(results, out, index)
         print(f"nats: exported trial {row['trial_id']} ({row['layer_types']}, chunk "
@@ -214,6 +226,7 @@ def search_command(args: argparse.Namespace) -> int:
         raise ValueError(f"unexpected argument {args.dir!r}: the search folder is --out DIR "
                          "(or `nats search show DIR`)")
     if args.resume is not None:
+        _check_resume_options(args)
         out = Path(args.resume).resolve()
         return _finish(out, resume_search(out, address=args.address,
                                           trust_tune_state=args.trust_tune_state), args.pick)
@@ -241,9 +254,23 @@ def search_command(args: argparse.Namespace) -> int:
     return _finish(out, run_search(settings, out, address=args.address), args.pick)
 
 
+RESUME_OPTIONS = ("resume", "address", "trust_tune_state", "pick")
+"""What ``--resume`` takes: the search folder keeps every other setting."""
+
+
+def _check_resume_options(args: argparse.Namespace) -> None:
+    """``--resume`` with options that would set up another search (more trials, other
+    steps, another --out) is refused: it continues the search as it was set up."""
+    given = [flag for dest, (flag, default) in args.search_options.items()
+             if dest not in RESUME_OPTIONS and getattr(args, dest) != default]
+    if given:
+        raise ValueError(f"--resume continues a search as it was set up and does not take "
+                         f"{', '.join(given)}; start a new search (--out) to change them")
+
+
 def _finish(out: Path, outcome: FitOutcome, pick_choice: str | None) -> int:
     if outcome.complete:
-        _report(out, outcome.errors, pick_choice)
+        _report(out, outcome.errors, pick_choice, pick_or_knee=True)
         return 0
     from .results import collect, table
 

@@ -125,6 +125,16 @@ def test_search_writes_consistent_results(tmp_path: Path, local_ray, capsys) -> 
     assert main(["search", "show", str(out), "--pick", str(last)]) == 0
     picked = got["front"]["trials"][last - 1]["trial_id"]
     assert f"exported trial {picked}" in capsys.readouterr().out
+    # A --pick that names no entry fails `show`, but a search that has just run exports
+    # its knee with a warning instead of ending with status 2 and no export.
+    assert main(["search", "show", str(out), "--pick", "99"]) == 2
+    assert f"--pick 99: the front has entries 1..{last}" in capsys.readouterr().err
+    from nats.search_spaces.cli import _report
+    _report(out, {}, "99", pick_or_knee=True)
+    captured = capsys.readouterr()
+    assert f"exported trial {knee['trial_id']}" in captured.out
+    assert f"nats: warning: --pick 99: the front has entries 1..{last}; exporting the knee" \
+        in captured.err
     # A second search into the same folder is refused.
     assert main(["search", *TINY, "--out", str(out)]) == 2
     assert "already holds a search" in capsys.readouterr().err
@@ -266,6 +276,19 @@ def test_a_search_stopped_by_sigterm_resumes_its_running_trial(tmp_path: Path, l
     assert len(rows) == 3 and all(r["status"] == "done" for r in rows)
     for trial_id, mtime in finished.items():
         assert (out / "trials" / trial_id / "model").stat().st_mtime_ns == mtime
+
+
+def test_resume_refuses_options_that_would_set_up_another_search(tmp_path: Path,
+                                                                  capsys) -> None:
+    """``--resume DIR --num-trials 6 --out elsewhere`` ran the search as it was and exited
+    0: the new options were dropped without a word."""
+    assert main(["search", "--resume", str(tmp_path), "--num-trials", "6", "--out",
+                 str(tmp_path / "elsewhere"), "--no-baselines"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("nats: error: --resume continues a search as it was set up and does not "
+                   "take --out, --num-trials, --no-baselines; start a new search (--out) to "
+                   "change them\n")
+    assert not (tmp_path / "elsewhere").exists()
 
 
 def _files(folder: Path) -> dict[str, tuple[int, int]]:
