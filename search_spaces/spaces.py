@@ -365,7 +365,7 @@ def space_from_dict(data: Any, where: str = "space", default_name: str = "custom
     if not isinstance(data, Mapping):
         raise SpaceError(f"{where}: must be a mapping with keys {list(TOP_KEYS)}, "
                          f"got {type(data).__name__}")
-    unknown = sorted(set(data) - set(TOP_KEYS))
+    unknown = sorted(str(k) for k in set(data) - set(TOP_KEYS))
     if unknown:
         raise SpaceError(f"{where}: unknown key(s) {unknown}: allowed keys are {list(TOP_KEYS)}")
     name = data.get("name", default_name)

@@ -380,6 +380,24 @@ def test_settings_of_earlier_versions_load() -> None:
         search.SearchSettings.from_dict({**data, "extra": {"a": 1}})
 
 
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("cpus_per_trial", "x", "--cpus-per-trial 'x': must be > 0"),
+    ("gpus_per_trial", "1", "--gpus-per-trial '1': must be >= 0"),
+    ("gpus_per_trial", True, "--gpus-per-trial True: must be >= 0"),
+    ("time_budget_s", "1", "--time-budget '1': must be > 0 seconds"),
+    ("time_budget_s", float("inf"), "--time-budget inf: must be > 0 seconds"),
+])
+def test_wrong_typed_settings_are_one_line_errors(key: str, value: object,
+                                                  message: str) -> None:
+    """A hand-edited search.json with a string where a number goes was a TypeError."""
+    from nats.search_spaces import load_space, search_base
+
+    data = search.make_settings(load_space("hybrid"), search_base("mqar-search")).to_dict()
+    with pytest.raises(ValueError) as info:
+        search.SearchSettings.from_dict({**data, key: value})
+    assert str(info.value) == message
+
+
 def test_a_study_journal_inside_the_folder_follows_a_copy(tmp_path: Path) -> None:
     """`--optuna-storage` inside DIR is saved relative to it, and the journal that Tune
     pickles with the searcher names its place in the folder alone: unpickled for a copy,

@@ -218,6 +218,7 @@ def test_routing_parameters_are_asked_only_of_models_that_route() -> None:
     ("params: {lr: -1}", "params.lr = -1"),
     ("params: {chunksize: [16]}", "unknown params key(s) ['chunksize']"),
     ("parameters: {chunk_size: [16]}", "unknown key(s) ['parameters']"),
+    ("1: a\nfoo: b", "unknown key(s) ['1', 'foo']"),  # keys of two types: no TypeError
     ("params: {}", "params = {} is invalid"),
     ("- a list", "must be a mapping"),
     ("params: {chunk_size: [16, 16]}", "without repeated"),
