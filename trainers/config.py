@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -462,4 +463,21 @@ def run_config(preset_name: str, overrides: dict[str, Any], resume: bool,
             arch[0], model_overrides.get("n_layers", base.model.n_layers), arch[1])
     # Model and run overrides at once: a run field may only be valid with the new model
     # (a text task with a larger vocabulary).
-    return base.replace(model=base.model.replace(**model_overrides), **overrides)
+    config = base.replace(model=base.model.replace(**model_overrides), **overrides)
+    if found is not None:
+        _say_changes(base, config)
+    return config
+
+
+def _say_changes(saved: TrainConfig, now: TrainConfig) -> None:
+    """A resumed run whose settings differ from its checkpoint's goes on with the new ones
+    (more steps, another learning rate): said once, so that a mix is never silent."""
+    before, after = saved.to_dict(), now.to_dict()
+    changed = [f"{key} {before[key]!r} -> {after[key]!r}" for key in after
+               if key != "model" and before.get(key) != after[key]]
+    if not changed:
+        return
+    note = ("; the learning-rate schedule and the routing cost's start follow the new "
+            "steps" if before.get("steps") != after["steps"] else "")
+    print(f"nats: warning: resuming with changed settings: {', '.join(changed)}{note}",
+          file=sys.stderr)

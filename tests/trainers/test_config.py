@@ -95,6 +95,23 @@ def test_run_config_resumes_with_the_saved_config(micro: MicroConfig) -> None:
     assert run_config("tiny", {"out_dir": saved.out_dir}, resume=False).seq_len == 17
 
 
+def test_resuming_with_changed_settings_says_which(micro: MicroConfig, capsys) -> None:
+    """``--resume --lr 0.5 --task mqar`` went on with the new settings without a word."""
+    from nats import NatsForCausalLM
+
+    saved = micro()
+    model = NatsForCausalLM(saved.model)
+    save_checkpoint(saved.out_dir, 3, model, build_optimizer(model, saved), saved.to_dict(),
+                    keep=1)
+    capsys.readouterr()
+    run_config("tiny", {"out_dir": saved.out_dir}, resume=True)
+    assert capsys.readouterr().err == ""
+    run_config("tiny", {"out_dir": saved.out_dir, "lr": 0.5, "steps": 9}, resume=True)
+    assert capsys.readouterr().err == (
+        "nats: warning: resuming with changed settings: steps 6 -> 9, lr 0.003 -> 0.5; the "
+        "learning-rate schedule and the routing cost's start follow the new steps\n")
+
+
 def test_run_config_resumes_a_run_stopped_before_its_first_checkpoint(
         micro: MicroConfig) -> None:
     """Killed before its first checkpoint, a run's only record of its config is its
