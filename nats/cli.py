@@ -27,6 +27,9 @@ EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
 EXIT_BROKEN_PIPE = 141
 """What a shell reports for a command its pipe's reader stopped (128 + SIGPIPE)."""
 _BY_HAND = ("model", "out_dir", "data_paths")
+TEXT_OPTIONS = ("data_paths", "data_glob", "data_format", "text_field", "tokenizer",
+                "streaming")
+"""``nats train`` options that only a text run reads (a generated task ignores them)."""
 """``TrainConfig`` fields whose ``nats train`` options are written by hand (``--out``,
 ``--data``; the model's fields get options of their own). Every other field of
 ``TrainConfig`` and ``NatsConfig`` becomes ``--field-name`` (:func:`_add_config_options`)."""
@@ -105,9 +108,16 @@ def _train(args: argparse.Namespace) -> int:
                 else value for name, value in values.items() if value is not None}
 
     arch = None if args.arch is None else (args.arch, args.softmax_every)
-    config = run_config(args.preset, given(args.train_fields), resume=args.resume,
+    fields = given(args.train_fields)
+    config = run_config(args.preset, fields, resume=args.resume,
                         config_path=args.config, model_overrides=given(args.model_fields),
                         arch=arch)
+    text_only = [name for name in TEXT_OPTIONS if name in fields]
+    if text_only and config.task != "text":
+        shown = ", ".join("--data" if n == "data_paths" else f"--{n.replace('_', '-')}"
+                          for n in text_only)
+        raise ValueError(f"{shown}: read by task 'text' only, and this run's task is "
+                         f"{config.task!r} (add --task text to train on text)")
     result = train(config, resume=args.resume)
     if result.interrupted:
         print(f"nats: interrupted at step {result.step}; continue with: "

@@ -53,6 +53,8 @@ def _nats(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
     ["train", "--preset", "mqar-tiny", "--mqar-pairs-mix", "four"],
     ["train", "--preset", "mqar-tiny", "--mqar-pairs-mix"],
     ["train", "--mqar-pairs-mix", "4"],  # preset tiny is a copy task
+    ["train", "--preset", "mqar-tiny", "--data", "/no/such/corpus"],  # text options on a
+    ["train", "--preset", "mqar-tiny", "--tokenizer", "tok", "--streaming"],  # generated task
     ["train", "--task", "needle", "--seq-len", "8"],
     ["train", "--config", "/no/such/config.json"],
     ["train", "--config", "."],

@@ -134,3 +134,15 @@ def test_run_config_applies_model_and_run_overrides_together() -> None:
     assert set(config.model.layer_types) == {"linear"}
     with pytest.raises(ConfigError, match="at least 256"):
         run_config("tiny", {"task": "text"}, resume=False)
+
+
+def test_text_options_on_a_generated_task_are_refused(tmp_path: Path, capsys) -> None:
+    """``--data``, ``--tokenizer`` ... on an MQAR run trained MQAR and ignored them."""
+    from nats.cli import main
+
+    assert main(["train", "--preset", "mqar-tiny", "--data", "corpus.txt", "--tokenizer",
+                 "tok", "--streaming", "--out", str(tmp_path / "r")]) == 2
+    assert capsys.readouterr().err == (
+        "nats: error: --data, --tokenizer, --streaming: read by task 'text' only, and this "
+        "run's task is 'mqar' (add --task text to train on text)\n")
+    assert not (tmp_path / "r").exists()
