@@ -57,7 +57,13 @@ def resolve_device(name: str, world: World | None = None) -> torch.device:
         raise ValueError(f"device {name!r} is invalid: CUDA is not available here")
     if name == "cuda" and world is not None and world.size > 1:
         name = f"cuda:{world.local_rank}"
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is not None \
+            and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r} is invalid: this process sees "
+                         f"{torch.cuda.device_count()} GPU(s), cuda:0 .. "
+                         f"cuda:{torch.cuda.device_count() - 1}")
+    return device
 
 
 def _world_from_env() -> World:

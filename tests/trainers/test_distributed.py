@@ -132,3 +132,17 @@ def test_a_sigterm_to_one_rank_stops_every_rank_at_one_checkpoint(micro: MicroCo
     assert (done.stdout + done.stderr).count("nats: resuming from") == 1
     results = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in (0, 1)]
     assert [r["step"] for r in results] == [stopped + 2] * 2
+
+
+def test_a_gpu_index_beyond_those_visible_is_a_one_line_error(monkeypatch) -> None:
+    """``--device cuda:3`` on a one-GPU machine was torch's 'invalid device ordinal'
+    traceback when the first tensor moved there."""
+    from nats.trainers.distributed import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("cuda:0") == torch.device("cuda:0")
+    assert resolve_device("cuda") == torch.device("cuda")
+    with pytest.raises(ValueError, match=r"^device 'cuda:3' is invalid: this process sees 1 "
+                                         r"GPU\(s\), cuda:0 \.\. cuda:0$"):
+        resolve_device("cuda:3")
