@@ -286,6 +286,7 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
     saved_step = step if checkpoint is not None else -1
     stop = StopRequest()
     started, first_step = time.perf_counter(), step
+    paused = 0.0  # seconds of evaluations and checkpoints, left out of the tokens/s
     tokens_per_step = config.batch_size * config.seq_len
     model.train()
     try:
@@ -311,7 +312,8 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
                     update_budget(model, stats.routable_frac, budget_target(step, config), config)
                 step += 1
                 losses.append(stats.loss)
-                rate = tokens_per_step * (step - first_step) / (time.perf_counter() - started)
+                rate = tokens_per_step * (step - first_step) / (
+                    time.perf_counter() - started - paused)
                 bar.update(1)
                 bar.set_postfix(_postfix(stats, lr, rate))
 
@@ -326,6 +328,7 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
                                  **route_bias_scalars(model)}, step)
                 # Rank 0 evaluates alone (every rank holds the same weights); the others
                 # go on and wait for it in the next step's all-reduce.
+                pause = time.perf_counter()
                 if world.is_main and (step % config.eval_interval == 0
                                       or step == config.steps):
                     result = evaluate(model, eval_batches, device, autocast,
@@ -338,6 +341,7 @@ def _train(config: TrainConfig, resume: bool, on_eval: EvalCallback | None, worl
                 if step % config.checkpoint_interval == 0:
                     checkpoint = checkpoint_now()
                     saved_step = step
+                paused += time.perf_counter() - pause
 
             # Inside the handlers: a Ctrl-C now asks to stop, which the end of the run
             # already does, instead of cutting the last checkpoint and the model short.

@@ -323,3 +323,26 @@ def test_cuda_graph_on_a_cpu_is_refused_before_the_run_folder_is_made(
     with pytest.raises(ValueError, match="needs one process on a CUDA GPU"):
         train(micro().replace(out_dir=str(out), device="auto", cuda_graph=True))
     assert not out.exists()
+
+
+def test_tokens_per_second_leaves_out_evaluations(micro: MicroConfig, monkeypatch) -> None:
+    """The rate was the steps' tokens over all the time since the start, evaluations and
+    checkpoints included: a slow evaluation pulled every later value down by 10-20x."""
+    import time
+
+    from nats.trainers import loop
+
+    evaluate = loop.evaluate
+
+    def slow(*args, **kwargs):
+        time.sleep(2.0)
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "evaluate", slow)
+    config = micro(eval_interval=2)
+    train(config)
+    events = EventAccumulator(config.out_dir, size_guidance={"scalars": 0})
+    events.Reload()
+    rate = {e.step: e.value for e in events.Scalars("train/tokens_per_s")}
+    # 66 tokens a step; with the 2 s evaluations counted, step 6's rate would be < 66.
+    assert min(rate[s] for s in (3, 4, 5, 6)) > 0.25 * rate[2] and rate[6] > 100
