@@ -167,8 +167,9 @@ class TrainConfig:
             if (not isinstance(value, (int, float)) or isinstance(value, bool)
                     or not 0 < value < math.inf):
                 _fail(name, value, "a finite number > 0")
-        if not isinstance(self.weight_decay, (int, float)) or not self.weight_decay >= 0:
-            _fail("weight_decay", self.weight_decay, "a number >= 0")
+        if (not isinstance(self.weight_decay, (int, float)) or isinstance(self.weight_decay, bool)
+                or not 0 <= self.weight_decay < math.inf):
+            _fail("weight_decay", self.weight_decay, "a finite number >= 0")
         for name in ("min_lr_ratio", "val_fraction", "reg_start", "route_explore",
                      "budget_anneal"):
             value = getattr(self, name)

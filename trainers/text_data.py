@@ -415,7 +415,14 @@ def require_window(corpus: Corpus, split: str, tokens: int, documents: int | Non
     what = f"the {split} split" + ("" if documents is None else f" ({documents} documents)")
     state = ("is empty" if tokens == 0
              else f"holds {tokens} tokens, fewer than seq_len={seq_len}")
-    raise ValueError(f"{corpus.name}: {what} {state}; give more data or change val_fraction")
+    if corpus.format == "text" and tokens == 0 and len(corpus.paths) < 10:
+        # A text file goes to one split whole, whatever val_fraction says.
+        hint = (f"text files go whole into one split, chosen by a hash of their name, and "
+                f"there are {len(corpus.paths)}: cut the corpus into more files, or give it "
+                f"as JSON lines records (split record by record)")
+    else:
+        hint = "give more data or change val_fraction"
+    raise ValueError(f"{corpus.name}: {what} {state}; {hint}")
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,8 @@ def test_tiny_preset_is_a_small_nats_model() -> None:
     ({"lr": float("inf")}, "lr", "finite number > 0"),
     ({"min_lr_ratio": 1.5}, "min_lr_ratio", "[0, 1]"),
     ({"weight_decay": -0.1}, "weight_decay", ">= 0"),
+    ({"weight_decay": float("inf")}, "weight_decay", "a finite number >= 0"),  # nan at step 2
+    ({"weight_decay": True}, "weight_decay", "a finite number >= 0"),
     ({"device": "gpu"}, "device", "'cuda:N'"),
     ({"out_dir": ""}, "out_dir", "non-empty path"),
     ({"data_paths": ["a"]}, "data_paths", "tuple"),

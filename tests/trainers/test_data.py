@@ -408,6 +408,13 @@ def test_bad_text_inputs_are_one_line_errors(micro: MicroConfig, tmp_path: Path)
                     data_paths=(str(blank),), val_fraction=0.0)
     _one_line_error(micro, ValueError, r"the validation split \(0 documents\) is empty",
                     data_paths=(str(blank),), val_fraction=0.0, seq_len=4)
+    # One text file goes to one split whole: val_fraction cannot help, and the message
+    # says what can (it told the user to change val_fraction).
+    (tmp_path / "one.txt").write_text("a document of a few words " * 40)
+    _one_line_error(micro, ValueError, r"(train|validation) split \(0 documents\) is empty; "
+                    r"text files go whole into one split, chosen by a hash of their name, and "
+                    r"there are 1: cut the corpus into more files",
+                    data_paths=(str(tmp_path / "one.txt"),))
     _text_files(tmp_path / "small", n=4)
     _one_line_error(micro, ValueError, "fewer than seq_len=100000",
                     data_paths=(str(tmp_path / "small"),), val_fraction=0.5, seq_len=100_000)
