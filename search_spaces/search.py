@@ -364,12 +364,30 @@ def _check_storage(settings: SearchSettings, out: Path) -> None:
     where = study_storage(settings, out)
     if "://" not in where and Path(where).is_relative_to(out):
         Path(where).parent.mkdir(parents=True, exist_ok=True)  # a part of the search folder
+    if "://" not in where and not _journal_or_new(Path(where)):
+        # Optuna's reader skips a bad last line: a one-line file of anything else opened
+        # fine, then had the study appended to it and failed the search after Ray started.
+        raise ValueError(f"--optuna-storage {where!r} is not an Optuna journal file; give a "
+                         "new file, a journal, or a database URL")
     try:
         _optuna_storage(where)
     except Exception as e:  # SQLAlchemy, drivers and Optuna each have their own errors
         reason = " ".join(str(e).split())[:200]
         raise ValueError(f"--optuna-storage {where!r} cannot be opened "
                          f"({type(e).__name__}: {reason})") from None
+
+
+def _journal_or_new(path: Path) -> bool:
+    """``path`` is absent, empty, or an Optuna journal: JSON lines of operations."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return not path.exists() or path.is_file()
+    with open(path, "rb") as f:
+        first = f.readline(1 << 20)
+    try:
+        record = json.loads(first)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and "op_code" in record
 
 
 def study_storage(settings: SearchSettings, out: Path) -> str:

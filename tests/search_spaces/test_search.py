@@ -612,3 +612,18 @@ def test_the_knee_is_the_cheapest_front_trial_near_the_best_quality() -> None:
     assert pick(results) == 1
     nan_only = SearchResults(settings, rows, [3], [qk, ck], [qm, "min"])
     assert pick(nan_only) == 3
+
+
+def test_a_storage_file_that_is_not_a_journal_is_refused_untouched(tmp_path: Path,
+                                                                   capsys) -> None:
+    """A one-line file of anything else passed the storage check (Optuna's reader skips a
+    bad last line), had the study appended to it, and failed the search after Ray started,
+    leaving a half-made folder that refused a rerun."""
+    afile = tmp_path / "afile"
+    afile.write_text("x\n")
+    out = tmp_path / "search"
+    assert main(["search", *TINY, "--optuna-storage", str(afile), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (f"nats: error: --optuna-storage {str(afile)!r} is not "
+                                       "an Optuna journal file; give a new file, a journal, "
+                                       "or a database URL\n")
+    assert afile.read_text() == "x\n" and not out.exists()
