@@ -32,7 +32,7 @@ from nats.atomic_write import atomic_write_bytes
 from nats.config import whole_at_least
 from nats.cost_model import compare_costs, fractions_from_measurement
 from nats.eval_mode import eval_mode
-from nats.folder_lock import LOCK_FILE, exclusive
+from nats.folder_lock import LOCK_FILE, writing_into
 from nats.plotting import format_si, format_tokens, histogram, save_png
 from nats.trainers.evaluation import RelevantFn
 from nats.trainers.routing_maps import routing_figure
@@ -376,7 +376,7 @@ def analyze(source: str | os.PathLike, out_dir: str | os.PathLike, *, text: str 
 
     ``out_dir`` must be new, empty or an earlier report's folder, whose files the new
     report replaces (also those it does not write again); it is held for the analysis
-    (:func:`nats.folder_lock.exclusive`), so a second one into it is refused. The report
+    (:func:`nats.folder_lock.writing_into`), so a second one into it is refused. The report
     is written into a staging folder inside ``out_dir`` and moved in at the end,
     ``report.html`` last: an analysis cut short leaves the earlier page whole, and a failed
     one leaves no new folders."""
@@ -392,18 +392,9 @@ def analyze(source: str | os.PathLike, out_dir: str | os.PathLike, *, text: str 
     resolve_device(device)
     load_tokenizer(tokenizer)
     _check_report_folder(out)
-    created = [p for p in (out, *out.parents) if not p.exists()]
-    try:
-        with exclusive(out, "report folder"):  # a second analysis into it is refused
-            try:
-                written = _write_report(out, source, text=text, tokenizer=tokenizer,
-                                        batches=batches, device=device, progress=progress)
-            finally:  # removed while held: no other analysis can be using it
-                (out / LOCK_FILE).unlink(missing_ok=True)
-    finally:
-        for folder in created:  # innermost first; a failed analysis leaves none of them
-            if folder.is_dir() and not any(folder.iterdir()):
-                folder.rmdir()
+    with writing_into(out, "report folder"):  # a second analysis into it is refused
+        written = _write_report(out, source, text=text, tokenizer=tokenizer,
+                                batches=batches, device=device, progress=progress)
     return out / REPORT_FILE, [out / name for name in written]
 
 

@@ -42,3 +42,23 @@ def exclusive(folder: str | Path, what: str = "folder") -> Iterator[Path]:
         yield folder
     finally:
         os.close(fd)  # releases the lock
+
+
+@contextlib.contextmanager
+def writing_into(folder: str | Path, what: str) -> Iterator[Path]:
+    """Hold ``folder`` (:func:`exclusive`) while a result is written into it: its lock file
+    is removed at the end while still held (no other writer can be using it), and the
+    folders this call created are removed again if left empty, so a failed write leaves
+    no new folders."""
+    folder = Path(folder)
+    created = [p for p in (folder, *folder.parents) if not p.exists()]  # innermost first
+    try:
+        with exclusive(folder, what):
+            try:
+                yield folder
+            finally:
+                (folder / LOCK_FILE).unlink(missing_ok=True)
+    finally:
+        for path in created:
+            if path.is_dir() and not any(path.iterdir()):
+                path.rmdir()

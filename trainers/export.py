@@ -32,7 +32,7 @@ import torch
 from nats.atomic_write import atomic_write_bytes
 from nats.config import LAYER_LISTS, NatsConfig
 from nats.eval_mode import eval_mode
-from nats.folder_lock import LOCK_FILE, exclusive
+from nats.folder_lock import LOCK_FILE, writing_into
 from nats.model import CONFIG_FILE, WEIGHTS_FILE, NatsForCausalLM
 from nats.plotting import save_png
 from nats.softmax_fraction import (
@@ -157,21 +157,10 @@ def export_model(model: NatsForCausalLM, out_dir: str | os.PathLike, *,
         dtype=str(exported.embed.weight.dtype).removeprefix("torch."),
         eval_description=eval_description or f"{len(eval_batches)} batch(es)",
         carried=carried, fresh=fresh, routing_map=None)
-    created = [p for p in (out, *out.parents) if not p.exists()]
-    try:
-        with exclusive(out, "export folder"):  # a second export into it is refused
-            try:
-                check_out_dir(out, force)  # again, held: another export may have filled it
-                result = _write_export(out, exported, train_config, model,
-                                       eval_batches[0] if eval_batches else None, result,
-                                       init_seed)
-            finally:  # removed while held: no other export can be using it
-                (out / LOCK_FILE).unlink(missing_ok=True)
-    finally:
-        for folder in created:  # innermost first; a failed export leaves none of them
-            if folder.is_dir() and not any(folder.iterdir()):
-                folder.rmdir()
-    return result
+    with writing_into(out, "export folder"):  # a second export into it is refused
+        check_out_dir(out, force)  # again, held: another export may have filled it
+        return _write_export(out, exported, train_config, model,
+                             eval_batches[0] if eval_batches else None, result, init_seed)
 
 
 def _write_export(out: Path, exported: NatsForCausalLM, train_config: TrainConfig | None,

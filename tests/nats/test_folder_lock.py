@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nats.folder_lock import FolderBusy, exclusive
+from nats.folder_lock import FolderBusy, exclusive, writing_into
 
 
 def test_a_second_holder_is_refused_naming_the_first(tmp_path: Path) -> None:
@@ -32,3 +32,20 @@ def test_the_lock_goes_with_a_killed_holder(tmp_path: Path) -> None:
     holder.wait()
     with exclusive(tmp_path):
         pass
+
+
+def test_writing_into_leaves_no_lock_file_and_no_new_empty_folders(tmp_path: Path) -> None:
+    out = tmp_path / "a" / "b"
+    with writing_into(out, "report folder") as held:
+        (held / "report.html").write_text("done")
+        with pytest.raises(FolderBusy, match=f"in use by process {os.getpid()}"), \
+                exclusive(out):
+            pass
+    assert sorted(p.name for p in out.iterdir()) == ["report.html"]
+    failed = tmp_path / "c" / "d"
+    with pytest.raises(RuntimeError), writing_into(failed, "export folder"):
+        raise RuntimeError("the write failed")
+    assert not (tmp_path / "c").exists()  # both folders it made, removed again
+    with writing_into(tmp_path, "folder"):  # an existing folder stays, even empty
+        pass
+    assert tmp_path.is_dir() and not (tmp_path / ".lock").exists()
