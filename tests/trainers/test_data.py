@@ -349,11 +349,16 @@ def test_a_local_tokenizer_round_trips_and_packs(micro: MicroConfig, tmp_path: P
         assert tokenizer.decode(ids[:-1].tolist()) == text
         assert tokenizer.encode(text) == reference.encode(text).ids
 
-    # Generation encodes the prompt and decodes the continuation with the same tokenizer.
+    # Generation encodes the prompt and decodes the continuation with the same tokenizer,
+    # drawing only ids it can decode (the model's vocabulary is larger). Seeded: whether an
+    # unlimited argmax lands past the tokenizer's ids depends on the weights.
+    torch.manual_seed(0)
     model = NatsForCausalLM(micro().model.replace(vocab_size=512)).eval()
     prompt = "def f(x):"
     prompt_ids = torch.tensor([reference.encode(prompt).ids])
-    continuation = model.generate(prompt_ids, 6)[0, prompt_ids.shape[1]:].tolist()
+    continuation = model.generate(prompt_ids, 6, vocab_limit=tokenizer.vocab_size)[
+        0, prompt_ids.shape[1]:].tolist()
+    assert max(continuation) < tokenizer.vocab_size
     assert generate_text(model, prompt, 6, tokenizer) == reference.decode(continuation)
     with pytest.raises(ValueError, match="--tokenizer"):
         small = micro().model.replace(vocab_size=tokenizer.vocab_size - 1)
