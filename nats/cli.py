@@ -296,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     train = sub.add_parser("train", help="train a model from a preset (resumable)")
-    train.add_argument("--preset", default="tiny", choices=PRESETS,
+    train.add_argument("--preset", choices=PRESETS,
                        help="named configuration (default: tiny)")
     train.add_argument("--config", metavar="JSON",
                        help="a model's config.json (replaces the preset's model) or a run's "

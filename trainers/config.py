@@ -434,6 +434,10 @@ def config_from_file(path: str | Path, base: TrainConfig) -> TrainConfig:
     return base.replace(model=NatsConfig.from_dict(data))
 
 
+DEFAULT_PRESET = "tiny"
+"""The preset of ``nats train`` without ``--preset``."""
+
+
 def run_config(preset_name: str, overrides: dict[str, Any], resume: bool,
                config_path: str | None = None, model_overrides: dict[str, Any] | None = None,
                arch: tuple[str, int] | None = None) -> TrainConfig:
@@ -446,14 +450,22 @@ def run_config(preset_name: str, overrides: dict[str, Any], resume: bool,
     checkpoint, so the preset need not be repeated, then applies ``overrides`` (e.g. more
     ``steps``). ``arch`` (a baseline architecture and its ``softmax_every``) gives the
     model's mixers for its depth after ``model_overrides``, whose ``layer_types`` win.
+    ``preset_name`` ``None`` is the default preset, not named by the user: a resumed run
+    ignores that without a word, and a named preset or ``config_path`` with a warning.
     """
-    base = preset(preset_name)
+    base = preset(preset_name or DEFAULT_PRESET)
     if config_path is not None:
         base = config_from_file(config_path, base)
     out_dir = Path(overrides.get("out_dir", base.out_dir))
     found = newest_readable(out_dir) if resume else None
     if found is not None:
         base = TrainConfig.from_dict(found[1]["config"])
+        named = [f"--{o} {v}" for o, v in (("preset", preset_name), ("config", config_path))
+                 if v is not None]
+        if named:
+            print(f"nats: warning: {' and '.join(named)} ignored: a resumed run keeps the "
+                  "settings of its checkpoint (change one with its own option, e.g. --lr)",
+                  file=sys.stderr)
     elif resume and (out_dir / TRAIN_CONFIG_FILE).is_file():
         # Stopped before its first checkpoint: start over with the run's own config.
         base = config_from_file(out_dir / TRAIN_CONFIG_FILE, base)

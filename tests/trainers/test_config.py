@@ -106,12 +106,18 @@ def test_resuming_with_changed_settings_says_which(micro: MicroConfig, capsys) -
     save_checkpoint(saved.out_dir, 3, model, build_optimizer(model, saved), saved.to_dict(),
                     keep=1)
     capsys.readouterr()
-    run_config("tiny", {"out_dir": saved.out_dir}, resume=True)
+    run_config(None, {"out_dir": saved.out_dir}, resume=True)
     assert capsys.readouterr().err == ""
-    run_config("tiny", {"out_dir": saved.out_dir, "lr": 0.5, "steps": 9}, resume=True)
+    run_config(None, {"out_dir": saved.out_dir, "lr": 0.5, "steps": 9}, resume=True)
     assert capsys.readouterr().err == (
         "nats: warning: resuming with changed settings: steps 6 -> 9, lr 0.003 -> 0.5; the "
         "learning-rate schedule and the routing cost's start follow the new steps\n")
+    # A preset or config file named with --resume is not what the run goes on with.
+    resumed = run_config("bytes-small", {"out_dir": saved.out_dir}, resume=True)
+    assert resumed == saved
+    assert capsys.readouterr().err == (
+        "nats: warning: --preset bytes-small ignored: a resumed run keeps the settings of its "
+        "checkpoint (change one with its own option, e.g. --lr)\n")
 
 
 def test_run_config_resumes_a_run_stopped_before_its_first_checkpoint(
