@@ -27,12 +27,12 @@ EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
 EXIT_BROKEN_PIPE = 141
 """What a shell reports for a command its pipe's reader stopped (128 + SIGPIPE)."""
 _BY_HAND = ("model", "out_dir", "data_paths")
-TEXT_OPTIONS = ("data_paths", "data_glob", "data_format", "text_field", "tokenizer",
-                "streaming")
-"""``nats train`` options that only a text run reads (a generated task ignores them)."""
 """``TrainConfig`` fields whose ``nats train`` options are written by hand (``--out``,
 ``--data``; the model's fields get options of their own). Every other field of
 ``TrainConfig`` and ``NatsConfig`` becomes ``--field-name`` (:func:`_add_config_options`)."""
+TEXT_OPTIONS = ("data_paths", "data_glob", "data_format", "text_field", "tokenizer",
+                "streaming")
+"""``nats train`` options that only a text run reads (a generated task ignores them)."""
 
 
 def _field_docs(cls: type) -> dict[str, str]:

@@ -438,7 +438,7 @@ DEFAULT_PRESET = "tiny"
 """The preset of ``nats train`` without ``--preset``."""
 
 
-def run_config(preset_name: str, overrides: dict[str, Any], resume: bool,
+def run_config(preset_name: str | None, overrides: dict[str, Any], resume: bool,
                config_path: str | None = None, model_overrides: dict[str, Any] | None = None,
                arch: tuple[str, int] | None = None) -> TrainConfig:
     """The config of a run started or resumed from the command line.
