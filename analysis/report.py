@@ -100,8 +100,7 @@ def load_model_input(source: str | os.PathLike, *, text: str | None = None,
     library, for byte-level models). ``loaded``: ``source`` already loaded
     (:func:`nats.trainers.sources.load_model`)."""
     from nats.trainers import build_batches, load_tokenizer, resolve_device
-    from nats.trainers.sources import load_model
-    from nats.trainers.tokenization import BYTE_VOCAB_LIMIT
+    from nats.trainers.sources import load_model, text_tokenizer
 
     check_batches(batches)
     if is_search_folder(source):
@@ -109,12 +108,8 @@ def load_model_input(source: str | os.PathLike, *, text: str | None = None,
     loaded = loaded or load_model(source, resolve_device(device))
     if loaded.train_config is None:
         model = loaded.model
-        tok = load_tokenizer(tokenizer)
+        tok = text_tokenizer(loaded, tokenizer, source)
         vocab = model.config.vocab_size
-        if tokenizer is None and vocab >= BYTE_VOCAB_LIMIT:
-            raise ValueError(f"{source} is a model with a {vocab}-token vocabulary, not of "
-                             "UTF-8 bytes, and no evaluation data: give --tokenizer (the "
-                             "tokenizer.json it was trained with), or analyse its run folder")
         if text is None:
             if vocab < 256 and tokenizer is None:
                 raise ValueError(f"{source} is a model with a {vocab}-token vocabulary and "

@@ -56,7 +56,7 @@ def text_tokenizer(loaded: LoadedModel, tokenizer: str | None, source: str | os.
     if vocab >= BYTE_VOCAB_LIMIT:
         raise ValueError(f"{source} is a model with a {vocab}-token vocabulary, not of UTF-8 "
                          "bytes, without its text run: give --tokenizer (the tokenizer.json "
-                         "it was trained with)")
+                         "it was trained with), or its run folder")
     return load_tokenizer(None)
 
 
