@@ -16,6 +16,7 @@ from .ops import (
     merge_branches,
     resolve_backend,
     rms_norm,
+    short_conv,
 )
 from .reference import (
     CHUNK_SIZES,
@@ -63,4 +64,5 @@ __all__ = [
     "num_chunks",
     "resolve_backend",
     "rms_norm",
+    "short_conv",
 ]

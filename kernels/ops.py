@@ -6,6 +6,7 @@ otherwise; ``"reference"`` and ``"triton"`` force one.
 
 from __future__ import annotations
 
+import importlib
 from types import ModuleType
 from typing import Literal
 
@@ -97,27 +98,26 @@ def hybrid_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                        cu_seqlens=cu_seqlens, width_multiple=aligned)
 
 
-def _norms(backend: Backend, x: torch.Tensor) -> ModuleType:
-    """The module that runs a row norm or the merge on ``x``: its Triton kernels, but the
-    plain form for float64 (exact tests) and under ``torch.compile``, which fuses the plain
-    form with its neighbours instead."""
+def _fused(backend: Backend, x: torch.Tensor, name: str) -> ModuleType:
+    """The module ``name`` (``norms``, ``short_conv``) that runs on ``x``: its Triton
+    kernels, but the plain form for float64 (exact tests) and under ``torch.compile``,
+    which fuses the plain form with its neighbours instead."""
     if (resolve_backend(backend, x) == "triton" and x.dtype != torch.float64
             and not torch.compiler.is_compiling()):
-        from .triton import norms  # imported lazily: Triton is optional on the CPU path
-
-        return norms
-    return reference_norms
+        # imported lazily: Triton is optional on the CPU path
+        return importlib.import_module(f".triton.{name}", __package__)
+    return importlib.import_module(f".reference.{name}", __package__)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, *,
              backend: Backend = "auto") -> torch.Tensor:
     """RMS normalisation of the last dimension; see :func:`reference.norms.rms_norm`."""
-    return _norms(backend, x).rms_norm(x, weight, eps)
+    return _fused(backend, x, "norms").rms_norm(x, weight, eps)
 
 
 def l2_norm(x: torch.Tensor, eps: float = 1e-6, *, backend: Backend = "auto") -> torch.Tensor:
     """L2 normalisation of the last dimension; see :func:`reference.norms.l2_norm`."""
-    return _norms(backend, x).l2_norm(x, eps)
+    return _fused(backend, x, "norms").l2_norm(x, eps)
 
 
 def merge_branches(a: torch.Tensor, b: torch.Tensor, weights: torch.Tensor,
@@ -132,5 +132,12 @@ def merge_branches(a: torch.Tensor, b: torch.Tensor, weights: torch.Tensor,
     if gamma_b is not None:
         return reference_norms.merge_branches(a, b, weights, gamma, eps, norm_a, norm_b,
                                               out_dtype, gamma_b)
-    return _norms(backend, a).merge_branches(a, b, weights, gamma, eps, norm_a, norm_b,
+    return _fused(backend, a, "norms").merge_branches(a, b, weights, gamma, eps, norm_a, norm_b,
                                              out_dtype)
+
+
+def short_conv(x: torch.Tensor, weight: torch.Tensor, *,
+               backend: Backend = "auto") -> torch.Tensor:
+    """``SiLU`` of the causal depthwise convolution of ``x`` ``[B, T, C]`` by ``weight``
+    ``[C, K]``; see :func:`reference.short_conv.short_conv`."""
+    return _fused(backend, x, "short_conv").short_conv(x, weight)

@@ -24,7 +24,8 @@ class LinearLayer(nn.Module):
         super().__init__()
         self.cfg = cfg
         h, dk, dv = cfg.n_heads, cfg.head_dim_k, cfg.head_dim_v
-        self.qkv = QKVProjection(cfg.d_model, (h * dk, h * dk, h * dv), cfg.conv_size)
+        self.qkv = QKVProjection(cfg.d_model, (h * dk, h * dk, h * dv), cfg.conv_size,
+                                 cfg.backend)
         self.linear = LinearOperator.from_config(cfg)
         self.gates = self.linear.gates(cfg.d_model)
         self.out = GatedOutput(cfg.d_model, h, dv, cfg.output_gate)

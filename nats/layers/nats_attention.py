@@ -72,7 +72,7 @@ class NatsAttention(nn.Module):
         # branch's columns get no gradient from the linear branch, and decoding keeps one
         # convolution window.
         self.qkv = QKVProjection(cfg.d_model, dims * (2 if cfg.softmax_qkv == "own" else 1),
-                                 cfg.conv_size)
+                                 cfg.conv_size, cfg.backend)
         self.q_norm = RMSNorm(cfg.softmax_head_dim_k, cfg.norm_eps, cfg.backend)
         self.k_norm = RMSNorm(cfg.softmax_head_dim_k, cfg.norm_eps, cfg.backend)
         self.linear = LinearOperator.from_config(cfg)

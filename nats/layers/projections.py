@@ -6,17 +6,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nats.kernels import Backend
+
 from .short_conv import ShortConvolution
 
 
 class QKVProjection(nn.Module):
     """``q, k, v = SiLU(conv(W x))``: one fused projection and one depthwise conv."""
 
-    def __init__(self, d_model: int, dims: tuple[int, int, int], conv_size: int) -> None:
+    def __init__(self, d_model: int, dims: tuple[int, int, int], conv_size: int,
+                 backend: Backend = "auto") -> None:
         super().__init__()
         self.dims = dims
         self.proj = nn.Linear(d_model, sum(dims), bias=False)
-        self.conv = ShortConvolution(sum(dims), conv_size)
+        self.conv = ShortConvolution(sum(dims), conv_size, backend)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.conv(self.proj(x)).split(self.dims, -1)

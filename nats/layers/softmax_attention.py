@@ -33,7 +33,7 @@ class SoftmaxAttention(nn.Module):
         self.heads = cfg.n_heads * cfg.softmax_heads_per_head
         dk, dv = cfg.softmax_head_dim_k, cfg.softmax_head_dim_v
         self.dims = (self.heads * dk, self.heads * dk, self.heads * dv)
-        self.qkv = QKVProjection(cfg.d_model, self.dims, cfg.conv_size)
+        self.qkv = QKVProjection(cfg.d_model, self.dims, cfg.conv_size, cfg.backend)
         self.q_norm, self.k_norm = (RMSNorm(dk, cfg.norm_eps, cfg.backend),
                                      RMSNorm(dk, cfg.norm_eps, cfg.backend))
         self.out = nn.Linear(self.heads * dv, cfg.d_model, bias=False)
