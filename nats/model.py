@@ -110,6 +110,11 @@ class CausalLMOutput:
     routable_frac: list[torch.Tensor | None] = field(default_factory=list)
 
 
+def _finished(cache):
+    """A layer's prefill cache, or what its finisher returns (``NatsAttention.prefill``)."""
+    return cache() if callable(cache) else cache
+
+
 def _check_labels(labels: torch.Tensor) -> None:
     if not (labels[:, 1:] != IGNORE_INDEX).any():
         raise ValueError("labels hold no position with a loss (every next-token label is "
@@ -193,14 +198,20 @@ class NatsForCausalLM(nn.Module):
     def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, HybridCache]:
         """Logits of the prompt and the cache that decoding continues from."""
         x = self.embed(input_ids)
-        caches = []
+        caches, pending = [], None
         for block in self.blocks:
             x, _, cache = block.prefill(x)
-            caches.append(cache)
+            # A NAtS-L layer's cache comes as a finisher that reads a size from the GPU:
+            # finished once the next layer's work is queued, the GPU has work while it waits.
+            if pending is not None:
+                caches.append(_finished(pending))
+            pending = cache
+        caches.append(_finished(pending))
         position = input_ids.shape[1]
         return self.lm_head(self.norm(x)), HybridCache(
             layers=caches, position=position,
-            position_t=torch.tensor(position, device=input_ids.device))
+            # Filled on the device: a tensor made from the host value is a blocking copy.
+            position_t=torch.full((), position, device=input_ids.device))
 
     @torch.no_grad()
     def decode_step(self, token: torch.Tensor, cache: HybridCache) -> torch.Tensor:

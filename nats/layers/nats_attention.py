@@ -10,6 +10,7 @@ softmax head by learned weights.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -160,7 +161,12 @@ class NatsAttention(nn.Module):
         y, routing, _ = self._parallel(x, self.qkv(x), cache_conv=None)
         return y, routing
 
-    def prefill(self, x: torch.Tensor) -> tuple[torch.Tensor, LayerRouting, NatsLayerCache]:
+    def prefill(self, x: torch.Tensor,
+                ) -> tuple[torch.Tensor, LayerRouting, Callable[[], NatsLayerCache]]:
+        """Like forward, plus the cache after ``x`` as a finisher to call once the next
+        layer's work is queued: the key/value store is sized by the most softmax chunks of
+        any head, a number that must reach the host, and waiting for it at once would idle
+        the GPU while the host catches up (:meth:`NatsForCausalLM.prefill`)."""
         qkv, conv = self.qkv.prefill(x)
         return self._parallel(x, qkv, cache_conv=conv)
 
@@ -183,15 +189,18 @@ class NatsAttention(nn.Module):
         else:
             o_la, state, snapshot = linear_out
             done = seq_len // c * c  # tokens in finished chunks
-            store_k, store_v, store_chunks = self._pack_store(ks, vs, routes, done // c)
-            cache = NatsLayerCache(
+            store = self._pack_store(ks, vs, routes, done // c)
+            parts = dict(
                 conv=cache_conv, state=state.contiguous(),
                 snapshot=snapshot.to(state.dtype, copy=True),
                 chunk_log_decay=gates.g[:, done:].sum(1), chunk_k=self._open_chunk(ks, done),
                 chunk_v=self._open_chunk(vs, done), open_len=seq_len - done,
-                pool_sum=upcast(x[:, done:]).sum(1), pool_max=self._open_max(x, done),
-                store_k=store_k, store_v=store_v,
-                store_chunks=store_chunks)
+                pool_sum=upcast(x[:, done:]).sum(1), pool_max=self._open_max(x, done))
+
+            def cache() -> NatsLayerCache:
+                store_k, store_v, store_chunks = store()
+                return NatsLayerCache(**parts, store_k=store_k, store_v=store_v,
+                                      store_chunks=store_chunks)
         routable = slice(0, routes.shape[1] - 1)
         reg = probs[:, routable, :, SOFTMAX].mean() if routes.shape[1] > 1 else probs.new_zeros(())
         routing = LayerRouting(
@@ -240,11 +249,13 @@ class NatsAttention(nn.Module):
             return upcast(x[:, 0]).new_full((x.shape[0], x.shape[2]), -math.inf)
         return upcast(x[:, done:]).amax(1)
 
-    def _pack_store(self, ks: torch.Tensor, vs: torch.Tensor, routes: torch.Tensor, done: int):
-        """Keys/values of the ``done`` finished softmax chunks, packed in order per head.
-
-        Returns ``store_k, store_v`` ``[B, H, r, M, C, D]`` and the real slot counts
-        ``[B, H]``; slots past a head's count hold stale data that decoding never reads.
+    def _pack_store(self, ks: torch.Tensor, vs: torch.Tensor, routes: torch.Tensor, done: int,
+                    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Keys/values of the ``done`` finished softmax chunks, packed in order per head,
+        from a finisher: ``store_k, store_v`` ``[B, H, r, M, C, D]`` and the real slot
+        counts ``[B, H]``; slots past a head's count hold stale data that decoding never
+        reads. The finisher waits only for the store's size (the most softmax chunks of
+        any head, copied to the host without blocking), not for work queued after it.
         As the softmax layer's cache, the store keeps room for a quarter more chunks: full,
         the first chunk closed after the prompt would move it, and a graphed decoder would
         capture its step again.
@@ -252,23 +263,34 @@ class NatsAttention(nn.Module):
         c, h, r = self.cfg.chunk_size, self.cfg.n_heads, self.cfg.softmax_heads_per_head
         batch = ks.shape[0]
         if done == 0:
-            counts = torch.zeros(batch, h, dtype=torch.long, device=ks.device)
-            return (ks.new_zeros(batch, h, r, 1, c, ks.shape[-1]),
-                    vs.new_zeros(batch, h, r, 1, c, vs.shape[-1]), counts)
+            empty = (ks.new_zeros(batch, h, r, 1, c, ks.shape[-1]),
+                     vs.new_zeros(batch, h, r, 1, c, vs.shape[-1]),
+                     torch.zeros(batch, h, dtype=torch.long, device=ks.device))
+            return lambda: empty
         is_sm = routes[:, :done, :, SOFTMAX] > 0.5  # [B, done, H]
         counts = is_sm.sum(1)
-        filled = max(int(counts.max()), 1)
-        room = (0, 0, 0, 0, 0, max(1, filled // 4))
         # Softmax chunks first, each group in chunk order: a stable sort on "is linear".
-        order = torch.sort((~is_sm).int(), dim=1, stable=True).indices[:, :filled]
+        order = torch.sort((~is_sm).int(), dim=1, stable=True).indices
+        most = counts.max().to("cpu", non_blocking=True)
+        copied = torch.cuda.Event() if most.is_pinned() else None
+        if copied is not None:
+            copied.record()
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
+        def pack(t: torch.Tensor, filled: int) -> torch.Tensor:
             d = t.shape[-1]
             chunks = t[:, : done * c].reshape(batch, done, c, h, r, d).permute(0, 3, 1, 2, 4, 5)
-            idx = order.permute(0, 2, 1)[..., None, None, None].expand(-1, -1, -1, c, r, d)
+            idx = order[:, :filled].permute(0, 2, 1)[..., None, None, None]
+            idx = idx.expand(-1, -1, -1, c, r, d)
+            room = (0, 0, 0, 0, 0, max(1, filled // 4))
             return F.pad(torch.gather(chunks, 2, idx).permute(0, 1, 4, 2, 3, 5), room)
 
-        return pack(ks), pack(vs), counts
+        def finish() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            if copied is not None:
+                copied.synchronize()
+            filled = max(int(most), 1)
+            return pack(ks, filled), pack(vs, filled), counts
+
+        return finish
 
     # -- decoding one token ----------------------------------------------------------------
 

@@ -184,3 +184,28 @@ def test_graphed_decode_equals_eager_decode(dtype, pool):
     assert torch.equal(graph_cache.layers[0].store_chunks, eager_cache.layers[0].store_chunks)
     assert model.generate(ids[:, :prompt], 40).equal(
         model.generate(ids[:, :prompt], 40, cuda_graph=False))
+
+
+def test_prefill_makes_no_blocking_read_back():
+    """A NAtS-L layer's store is sized by a count that reaches the host through a
+    non-blocking copy, read once the next layer's work is queued: with torch's sync debug
+    mode set to fail on a synchronising call, a whole prefill still runs, and its cache
+    decodes as the parallel forward says (``test_triton_prefill_then_decode_...``)."""
+    cfg = NatsConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=4, softmax_heads_per_head=2,
+                     head_dim_k=64, head_dim_v=64, chunk_size=64,
+                     layer_types=("nats", "nats", "linear", "softmax"), backend="triton")
+    torch.manual_seed(0)
+    model = NatsForCausalLM(cfg).cuda().eval()
+    with torch.no_grad():
+        for layer in model.nats_layers:
+            layer.scorer.proj.weight.normal_(0, 0.5)
+    ids = torch.randint(0, 512, (2, 300), device="cuda")
+    with torch.no_grad():
+        want, _ = model.prefill(ids)  # compiles and tunes the kernels, which synchronises
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got, cache = model.prefill(ids)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(got, want)
+    assert all(int(layer.store_chunks.max()) > 0 for layer in cache.layers[:2])
