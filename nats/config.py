@@ -206,7 +206,7 @@ class NatsConfig:
         gain = self.softmax_gain_init
         if gain is not None and not positive_finite(gain):
             _fail("softmax_gain_init", gain, "null (no gain) or a positive finite number")
-        if not isinstance(self.reg_lambda, (int, float)) or not 0 <= self.reg_lambda < math.inf:
+        if not nonnegative_finite(self.reg_lambda):
             _fail("reg_lambda", self.reg_lambda, "a finite number >= 0")
         for name in ("rope", "tie_embeddings", "scorer_norm", "scorer_detach", "branch_gamma"):
             if not isinstance(getattr(self, name), bool):  # "false" would switch it on
@@ -356,8 +356,13 @@ def whole_at_least(value: Any, least: int = 1) -> bool:
 
 def positive_finite(value: Any) -> bool:
     """A number (not a bool, which JSON ``true`` would be) in (0, inf)."""
+    return nonnegative_finite(value) and value > 0
+
+
+def nonnegative_finite(value: Any) -> bool:
+    """A number (not a bool, which JSON ``true`` would be) in [0, inf)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) \
-        and math.isfinite(value) and value > 0
+        and math.isfinite(value) and value >= 0
 
 
 def _fail(name: str, value: Any, allowed: str) -> NoReturn:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from nats.atomic_write import atomic_write_bytes
-from nats.config import positive_finite, whole_at_least
+from nats.config import nonnegative_finite, positive_finite, whole_at_least
 from nats.folder_lock import exclusive
 from nats.model import read_json_object
 from nats.trainers import TrainConfig
@@ -91,8 +91,7 @@ class SearchSettings:
             raise ValueError(f"--max-failures {self.max_failures!r}: must be an integer >= 0")
         if not positive_finite(self.cpus_per_trial):
             raise ValueError(f"--cpus-per-trial {self.cpus_per_trial!r}: must be > 0")
-        if not (self.gpus_per_trial == 0 or positive_finite(self.gpus_per_trial)) \
-                or isinstance(self.gpus_per_trial, bool):
+        if not nonnegative_finite(self.gpus_per_trial):
             raise ValueError(f"--gpus-per-trial {self.gpus_per_trial!r}: must be >= 0")
         if self.time_budget_s is not None and not positive_finite(self.time_budget_s):
             raise ValueError(f"--time-budget {self.time_budget_s!r}: must be > 0 seconds")

@@ -7,14 +7,21 @@ included), so a config saved beside the checkpoints is enough to resume or repea
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from nats.config import ConfigError, NatsConfig, fail, reject_unknown_fields, whole_at_least
+from nats.config import (
+    ConfigError,
+    NatsConfig,
+    fail,
+    nonnegative_finite,
+    positive_finite,
+    reject_unknown_fields,
+    whole_at_least,
+)
 from nats.model import read_json_object
 
 from .checkpoint import newest_readable
@@ -164,16 +171,14 @@ class TrainConfig:
                 _fail(name, value, "an integer >= 0")
         for name in ("lr", "grad_clip", "budget_rate", "router_lr_scale"):
             value = getattr(self, name)
-            if (not isinstance(value, (int, float)) or isinstance(value, bool)
-                    or not 0 < value < math.inf):
+            if not positive_finite(value):
                 _fail(name, value, "a finite number > 0")
-        if (not isinstance(self.weight_decay, (int, float)) or isinstance(self.weight_decay, bool)
-                or not 0 <= self.weight_decay < math.inf):
+        if not nonnegative_finite(self.weight_decay):
             _fail("weight_decay", self.weight_decay, "a finite number >= 0")
         for name in ("min_lr_ratio", "val_fraction", "reg_start", "route_explore",
                      "budget_anneal"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            if not nonnegative_finite(value) or value > 1:
                 _fail(name, value, "a number in [0, 1]")
         if not isinstance(self.device, str) or not DEVICE_PATTERN.match(self.device):
             _fail("device", self.device, DEVICES)

@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from nats import NatsForCausalLM
-from nats.config import whole_at_least
+from nats.config import nonnegative_finite, whole_at_least
 from nats.eval_mode import eval_mode
 
 from .config import TrainConfig
@@ -162,8 +162,7 @@ def split_budget(model: NatsForCausalLM, batches: Sequence[tuple[torch.Tensor, t
         raise ValueError(f"levels must be an integer >= 1, got {levels!r}")
     if unit not in ("layer", "head"):
         raise ValueError(f"unit must be 'layer' or 'head', got {unit!r}")
-    if (isinstance(price, bool) or not isinstance(price, (int, float))
-            or not 0 <= price < math.inf):
+    if not nonnegative_finite(price):
         raise ValueError(f"price must be a number >= 0, got {price!r}")
     ids = [x for x, _ in batches]
     scores = _Scores(model, _calibration_layers(model, ids), ids)

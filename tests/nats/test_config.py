@@ -13,6 +13,9 @@ from nats import ConfigError, NatsConfig
         ({"d_model": 0}, r"NatsConfig\.d_model = 0 .*positive integer"),
         ({"n_heads": 2.5}, r"NatsConfig\.n_heads = 2\.5 .*positive integer"),
         ({"reg_lambda": -1.0}, r"NatsConfig\.reg_lambda = -1\.0 .*>= 0"),
+        # JSON true is a bool, which Python counts as the number 1.
+        ({"reg_lambda": True}, r"NatsConfig\.reg_lambda = True .*>= 0"),
+        ({"reg_lambda": float("inf")}, r"NatsConfig\.reg_lambda = inf .*>= 0"),
         ({"norm_eps": float("nan")}, r"NatsConfig\.norm_eps = nan .*positive finite"),
         ({"layer_types": ("nats", "mamba")},
          r"NatsConfig\.layer_types .*'nats', 'linear', 'softmax'"),

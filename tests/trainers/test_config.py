@@ -39,6 +39,8 @@ def test_tiny_preset_is_a_small_nats_model() -> None:
     ({"weight_decay": -0.1}, "weight_decay", ">= 0"),
     ({"weight_decay": float("inf")}, "weight_decay", "a finite number >= 0"),  # nan at step 2
     ({"weight_decay": True}, "weight_decay", "a finite number >= 0"),
+    ({"min_lr_ratio": True}, "min_lr_ratio", "a number in [0, 1]"),  # bool counts as 1
+    ({"val_fraction": float("nan")}, "val_fraction", "a number in [0, 1]"),
     ({"device": "gpu"}, "device", "'cuda:N'"),
     ({"out_dir": ""}, "out_dir", "non-empty path"),
     ({"data_paths": ["a"]}, "data_paths", "tuple"),
