@@ -233,7 +233,18 @@ class Corpus:
                 split="train", streaming=True, **options)
             if ds.features is not None:
                 self._check_fields(list(ds.features), self.paths[0])
-            for batch in ds.iter(batch_size=READ_BATCH):
+            import pyarrow as pa
+
+            batches = ds.iter(batch_size=READ_BATCH)
+            while True:
+                try:
+                    batch = next(batches, None)
+                except pa.ArrowInvalid as e:  # the message names no file
+                    where = _json_error_at(files) if self.format == "json" else None
+                    raise ValueError(f"data_paths: {where or self.name} is not valid "
+                                     f"{self.format}: {e}") from e
+                if batch is None:
+                    return
                 if self.text_field not in batch:
                     self._check_fields(list(batch), self.paths[0])
                 yield self._texts(batch[self.text_field])
@@ -277,6 +288,34 @@ class Corpus:
                 raise ValueError(f"text_field: {self.text_field!r} holds "
                                  f"{type(v).__name__}, not text, in a record of {self.name}")
         return values
+
+
+WHOLE_JSON_LIMIT = 1 << 28
+"""Bytes up to which a file that is not JSON lines is tried as one JSON document."""
+
+
+def _json_error_at(files: Sequence[Path]) -> str | None:
+    """``'path', line N``: the first line of ``files`` that is not JSON, in a file that is
+    not one JSON document either; ``None`` where every file parses. Run only after the
+    reader failed, to say where."""
+    for f in files:
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            bad = next((n for n, line in enumerate(fh, 1)
+                        if line.strip() and not _is_json(line)), None)
+        if bad is None:
+            continue
+        if f.stat().st_size <= WHOLE_JSON_LIMIT and _is_json(read_text_file(f)):
+            continue
+        return f"{str(f)!r}, line {bad},"
+    return None
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def _nonempty(batches: Iterator[list[str]]) -> Iterator[list[str]]:

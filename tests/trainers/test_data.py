@@ -437,6 +437,14 @@ def test_bad_text_inputs_are_one_line_errors(micro: MicroConfig, tmp_path: Path)
                     data_paths=(str(rows),))
     _one_line_error(micro, ValueError, "text_field: 'n' holds int, not text",
                     data_paths=(str(rows),), text_field="n")
+    # A broken record names its file and line (pyarrow's own message names neither); a
+    # pretty-printed JSON document beside it is not blamed.
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "a.json").write_text(json.dumps([{"text": "fine"}], indent=2))
+    (tmp_path / "broken" / "b.jsonl").write_text('{"text": "ok"}\n\n{"text": oops}\n')
+    for streaming in (False, True):
+        _one_line_error(micro, ValueError, r"'[^']*b\.jsonl', line 3, is not valid json",
+                        data_paths=(str(tmp_path / "broken"),), streaming=streaming)
     import pyarrow as pa
     import pyarrow.parquet as pq
 
