@@ -195,8 +195,11 @@ def _write_export(out: Path, exported: NatsForCausalLM, train_config: TrainConfi
 
 def _move_in(stage: Path, out: Path) -> None:
     """Put the staged export in place, file by file, removing the export files this one
-    does not write (weights of another export, its task, its map); the config last, so
-    that a folder is not read as a model before its weights are in."""
+    does not write (weights of another export, its task, its map). An earlier export's
+    config goes first and the new one comes last: a config never sits beside another
+    export's weights, so a kill part-way leaves a folder that is not read as a model
+    (the next ``--force`` export fills it) rather than a mismatched one."""
+    (out / CONFIG_FILE).unlink(missing_ok=True)
     for name in sorted(EXPORT_FILES, key=lambda n: n == CONFIG_FILE):
         if (stage / name).exists():
             os.replace(stage / name, out / name)

@@ -552,3 +552,25 @@ def test_the_config_is_moved_in_last(run: Path, tmp_path: Path, monkeypatch) -> 
     monkeypatch.setattr(os, "replace", recording)
     export_architecture(run, out, eval_batches=0)
     assert moved[-1] == "config.json" and "model.safetensors" in moved
+
+
+def test_an_export_killed_while_moving_in_leaves_no_mismatched_model(
+        run: Path, tmp_path: Path, monkeypatch) -> None:
+    """Killed after the new weights are in but before the new config: the earlier
+    export's config must not stay beside them (it would load them as its model)."""
+    out = tmp_path / "out"
+    export_architecture(run, out, eval_batches=0)
+    replace = os.replace
+
+    def killed_after_the_weights(src, dst) -> None:
+        replace(src, dst)
+        if Path(dst) == out / "model.safetensors":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", killed_after_the_weights)
+    with pytest.raises(KeyboardInterrupt):
+        export_architecture(run, out, eval_batches=0, force=True)
+    monkeypatch.setattr(os, "replace", replace)
+    assert (out / "model.safetensors").is_file() and not (out / "config.json").exists()
+    export_architecture(run, out, eval_batches=0, force=True)
+    assert (out / "config.json").is_file()
