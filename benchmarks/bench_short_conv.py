@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from bench_train_cuda_graph import save
 
 from nats.kernels import short_conv
 
@@ -71,17 +72,14 @@ def measure(shape: tuple[int, int, int], form: str) -> dict[str, float]:
 
 
 def main(out: str | None) -> None:
-    rows = []
+    rows: list[dict[str, object]] = []
     for shape in SHAPES:
         row: dict[str, object] = {"shape": shape}
         for form in FORMS:
             row |= {f"{form}_{k}": v for k, v in measure(shape, form).items()}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    if out:
-        with open(out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "rows": rows}, f, indent=1)
+    save(rows, out)
 
 
 if __name__ == "__main__":

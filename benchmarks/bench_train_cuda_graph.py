@@ -52,6 +52,11 @@ def main(out: str | None) -> None:
                          "tokens_per_s": config.batch_size * config.seq_len / ms * 1e3,
                          "loss_at_400": loss})
             print(json.dumps(rows[-1]), flush=True)
+    save(rows, out)
+
+
+def save(rows: list[dict[str, Any]], out: str | None) -> None:
+    """``rows`` with the GPU's name and torch's version as JSON at ``out``, if given."""
     if out:
         with open(out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

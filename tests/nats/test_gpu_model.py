@@ -12,6 +12,16 @@ from .test_decoding import decode_logits
 pytestmark = pytest.mark.gpu
 
 
+def spread_model(cfg: NatsConfig, dtype: torch.dtype = torch.float32) -> NatsForCausalLM:
+    """A seeded model on the GPU in eval mode, its scorers spread so both routes occur."""
+    torch.manual_seed(0)
+    model = NatsForCausalLM(cfg).cuda().to(dtype).eval()
+    with torch.no_grad():
+        for layer in model.nats_layers:
+            layer.scorer.proj.weight.normal_(0, 0.5)
+    return model
+
+
 @pytest.mark.parametrize("linear_op", LINEAR_OPS)
 @pytest.mark.parametrize(("chunk_size", "dtype"), [(64, torch.float32), (128, torch.bfloat16)],
                          ids=["c64-fp32", "c128-bf16"])
@@ -142,11 +152,7 @@ def test_triton_prefill_then_decode_equals_parallel_forward(linear_op):
     cfg = NatsConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, softmax_heads_per_head=2,
                      head_dim_k=64, head_dim_v=64, chunk_size=64, layer_types=("nats", "linear"),
                      backend="triton", linear_op=linear_op)
-    torch.manual_seed(0)
-    model = NatsForCausalLM(cfg).cuda().eval()
-    with torch.no_grad():
-        for layer in model.nats_layers:
-            layer.scorer.proj.weight.normal_(0, 0.5)
+    model = spread_model(cfg)
     ids = torch.randint(0, 512, (2, 300), device="cuda")
     with torch.no_grad():
         full = model(ids).logits
@@ -165,11 +171,7 @@ def test_graphed_decode_equals_eager_decode(dtype, pool):
                      head_dim_k=64, head_dim_v=64, chunk_size=16,
                      layer_types=("nats", "linear", "softmax"), backend="triton", rope=True,
                      scorer_pool=pool)
-    torch.manual_seed(0)
-    model = NatsForCausalLM(cfg).cuda().to(dtype).eval()
-    with torch.no_grad():
-        for layer in model.nats_layers:
-            layer.scorer.proj.weight.normal_(0, 0.5)
+    model = spread_model(cfg, dtype)
     ids = torch.randint(0, 512, (2, 400), device="cuda")
     prompt = 37
     _, eager_cache = model.prefill(ids[:, :prompt])
@@ -194,11 +196,7 @@ def test_prefill_makes_no_blocking_read_back():
     cfg = NatsConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=4, softmax_heads_per_head=2,
                      head_dim_k=64, head_dim_v=64, chunk_size=64,
                      layer_types=("nats", "nats", "linear", "softmax"), backend="triton")
-    torch.manual_seed(0)
-    model = NatsForCausalLM(cfg).cuda().eval()
-    with torch.no_grad():
-        for layer in model.nats_layers:
-            layer.scorer.proj.weight.normal_(0, 0.5)
+    model = spread_model(cfg)
     ids = torch.randint(0, 512, (2, 300), device="cuda")
     with torch.no_grad():
         want, _ = model.prefill(ids)  # compiles and tunes the kernels, which synchronises
