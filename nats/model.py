@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save
 from torch import nn
 
 from .atomic_write import atomic_write_bytes
-from .cache import HybridCache
+from .cache import HybridCache, LayerCache
 from .config import HF_KEYS, NatsConfig
 from .generation import generate
 from .layers.linear_layer import LinearLayer
@@ -110,7 +110,7 @@ class CausalLMOutput:
     routable_frac: list[torch.Tensor | None] = field(default_factory=list)
 
 
-def _finished(cache):
+def _finished(cache: LayerCache | Callable[[], LayerCache]) -> LayerCache:
     """A layer's prefill cache, or what its finisher returns (``NatsAttention.prefill``)."""
     return cache() if callable(cache) else cache
 
@@ -198,7 +198,8 @@ class NatsForCausalLM(nn.Module):
     def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, HybridCache]:
         """Logits of the prompt and the cache that decoding continues from."""
         x = self.embed(input_ids)
-        caches, pending = [], None
+        caches: list[LayerCache] = []
+        pending: LayerCache | Callable[[], LayerCache] | None = None
         for block in self.blocks:
             x, _, cache = block.prefill(x)
             # A NAtS-L layer's cache comes as a finisher that reads a size from the GPU:
