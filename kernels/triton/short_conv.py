@@ -113,7 +113,6 @@ class _ShortConv(torch.autograd.Function):
         _short_conv_fwd[grid](x, w, y, x.shape[1], x.shape[2], K=w.shape[1], BLOCK_T=BLOCK_T,
                               BLOCK_C=block_c)
         ctx.save_for_backward(x, w)
-        ctx.weight_dtype = weight.dtype
         return y
 
     @staticmethod
@@ -128,7 +127,7 @@ class _ShortConv(torch.autograd.Function):
         dx = empty(*x.shape, dtype=x.dtype, device=x.device)
         _short_conv_bwd_x[grid](dpre, w, dx, seq_len, channels, K=kernel_size,
                                 BLOCK_T=BLOCK_T, BLOCK_C=block_c)
-        return dx, dw.sum(0).t().to(ctx.weight_dtype)
+        return dx, dw.sum(0).t().to(w.dtype)
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
