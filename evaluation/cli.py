@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import sys
 from pathlib import Path
 
@@ -81,6 +80,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def eval_command(args: argparse.Namespace) -> int:
+    from nats.config import nonnegative_finite
     from nats.trainers import TrainConfig, build_batches, resolve_device
     from nats.trainers.route_control import (
         calibrate_budget,
@@ -111,7 +111,7 @@ def eval_command(args: argparse.Namespace) -> int:
             and len(fractions) > 1:
         raise ValueError(f"--calibrate-scope {args.calibrate_scope} splits one fraction: "
                          "give one")
-    if not 0 <= args.share_price < math.inf:
+    if not nonnegative_finite(args.share_price):
         raise ValueError(f"--share-price must be a number >= 0, got {args.share_price:g}")
     if args.share_price != 0.0 and args.calibrate_scope not in ("model", "head"):
         raise ValueError("--share-price prices a split: give --calibrate-scope model or head")
