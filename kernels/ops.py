@@ -123,17 +123,36 @@ def l2_norm(x: torch.Tensor, eps: float = 1e-6, *, backend: Backend = "auto") ->
 def merge_branches(a: torch.Tensor, b: torch.Tensor, weights: torch.Tensor,
                    gamma: torch.Tensor, eps: float, norm_a: bool, norm_b: bool,
                    out_dtype: torch.dtype, *, gamma_b: torch.Tensor | None = None,
-                   backend: Backend = "auto") -> torch.Tensor:
-    """The NAtS-L merge of two branches; see :func:`reference.norms.merge_branches`.
+                   logits: bool = False, backend: Backend = "auto") -> torch.Tensor:
+    """The NAtS-L merge of two branches; see :func:`reference.norms.merge_branches`
+    (``logits``: the branch weights as the softmax of ``weights``, taken inside the merge).
 
     A weight per branch (``gamma_b``, only converted official checkpoints have one) has
     no Triton kernel: it runs the reference, a few elementwise operations, on any device.
     """
     if gamma_b is not None:
         return reference_norms.merge_branches(a, b, weights, gamma, eps, norm_a, norm_b,
-                                              out_dtype, gamma_b)
+                                              out_dtype, gamma_b, logits)
     return _fused(backend, a, "norms").merge_branches(a, b, weights, gamma, eps, norm_a, norm_b,
-                                             out_dtype)
+                                                      out_dtype, logits=logits)
+
+
+def linear_gates(a: torch.Tensor | None, a_log: torch.Tensor | None,
+                 dt_bias: torch.Tensor | None, b: torch.Tensor | None, *,
+                 backend: Backend = "auto") -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A linear operator's decay ``g`` and write strength ``beta`` from their projections
+    ``[..., H]`` (either may be None); see :func:`reference.gates.linear_gates`."""
+    if a is not None and b is not None and a.shape != b.shape:
+        raise ValueError(f"linear_gates needs a and b of one shape [..., H], got "
+                         f"{list(a.shape)} and {list(b.shape)}")
+    x = a if a is not None else b
+    if x is None:
+        return None, None
+    heads = x.shape[-1]
+    if a is not None and not (a_log is not None and dt_bias is not None
+                              and a_log.shape == dt_bias.shape == (heads,)):
+        raise ValueError(f"linear_gates needs a_log and dt_bias of shape [{heads}] with a")
+    return _fused(backend, x, "gates").linear_gates(a, a_log, dt_bias, b)
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, *,

@@ -31,15 +31,19 @@ def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def merge_branches(a: torch.Tensor, b: torch.Tensor, weights: torch.Tensor,
                    gamma: torch.Tensor, eps: float, norm_a: bool, norm_b: bool,
-                   out_dtype: torch.dtype, gamma_b: torch.Tensor | None = None) -> torch.Tensor:
+                   out_dtype: torch.dtype, gamma_b: torch.Tensor | None = None,
+                   logits: bool = False) -> torch.Tensor:
     """``(w_a N(a) + w_b N(b)) * gamma`` per row, ``N`` the RMS norm where asked (else the
     identity): the NAtS-L layer's merge of its two branches. With ``gamma_b``, each branch
     has its own weight: ``w_a N(a) gamma + w_b N(b) gamma_b`` (the official layer's
     ``FusedMultiInputRMSNormGated``).
 
-    ``a``, ``b`` ``[..., D]``, ``weights`` ``[..., 2]`` (``w_a``, ``w_b``), ``gamma`` and
-    ``gamma_b`` ``[D]``; returned in ``out_dtype``.
+    ``a``, ``b`` ``[..., D]``, ``weights`` ``[..., 2]`` (``w_a``, ``w_b``; with ``logits``,
+    the weights are their softmax), ``gamma`` and ``gamma_b`` ``[D]``; returned in
+    ``out_dtype``.
     """
+    if logits:
+        weights = torch.softmax(weights.to(compute_dtype(weights)), -1)
     af, bf = (t.to(compute_dtype(t)) for t in (a, b))
     af = _unit_rms(af, eps) if norm_a else af
     bf = _unit_rms(bf, eps) if norm_b else bf

@@ -131,9 +131,21 @@ def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 @triton.jit
+def _merge_weights(w_ptr, rows, row_ok, LOGITS: tl.constexpr):
+    """The rows' two branch weights in float32: as given, or the softmax of the logits."""
+    wa = tl.load(w_ptr + rows * 2, mask=row_ok, other=0.0).to(tl.float32)
+    wb = tl.load(w_ptr + rows * 2 + 1, mask=row_ok, other=0.0).to(tl.float32)
+    if LOGITS:
+        top = tl.maximum(wa, wb)
+        ea, eb = tl.exp(wa - top), tl.exp(wb - top)
+        wa, wb = ea / (ea + eb), eb / (ea + eb)
+    return wa, wb
+
+
+@triton.jit
 def _merge_fwd(a_ptr, b_ptr, w_ptr, gamma_ptr, y_ptr, ra_ptr, rb_ptr, n_rows, dim, eps,
-               NORM_A: tl.constexpr, NORM_B: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-               BLOCK_D: tl.constexpr):
+               NORM_A: tl.constexpr, NORM_B: tl.constexpr, LOGITS: tl.constexpr,
+               BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < n_rows
@@ -150,8 +162,7 @@ def _merge_fwd(a_ptr, b_ptr, w_ptr, gamma_ptr, y_ptr, ra_ptr, rb_ptr, n_rows, di
         rb = 1.0 / tl.sqrt(tl.sum(b * b, axis=1) / dim + eps)
         b = b * rb[:, None]
         tl.store(rb_ptr + rows, rb, mask=row_ok)
-    wa = tl.load(w_ptr + rows * 2, mask=row_ok, other=0.0)
-    wb = tl.load(w_ptr + rows * 2 + 1, mask=row_ok, other=0.0)
+    wa, wb = _merge_weights(w_ptr, rows, row_ok, LOGITS)
     gamma = tl.load(gamma_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     y = (wa[:, None] * a + wb[:, None] * b) * gamma[None, :]
     tl.store(y_ptr + dense, y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -160,11 +171,12 @@ def _merge_fwd(a_ptr, b_ptr, w_ptr, gamma_ptr, y_ptr, ra_ptr, rb_ptr, n_rows, di
 @triton.jit
 def _merge_bwd(a_ptr, b_ptr, w_ptr, gamma_ptr, ra_ptr, rb_ptr, dy_ptr, da_ptr, db_ptr, dw_ptr,
                dgamma_ptr, n_rows, dim,
-               NORM_A: tl.constexpr, NORM_B: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-               BLOCK_D: tl.constexpr):
+               NORM_A: tl.constexpr, NORM_B: tl.constexpr, LOGITS: tl.constexpr,
+               BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     # With g = dy gamma: d(w_a) = sum(g a_hat), d(a_hat) = w_a g, and through the norm
     # da = r (d(a_hat) - a_hat sum(d(a_hat) a_hat) / D); dgamma = sum over rows of dy m,
-    # m the merged rows before gamma.
+    # m the merged rows before gamma. Through a softmax of logits:
+    # d(l_i) = w_i (d(w_i) - sum_j w_j d(w_j)).
     pid = tl.program_id(0)
     rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_D)
@@ -180,15 +192,18 @@ def _merge_bwd(a_ptr, b_ptr, w_ptr, gamma_ptr, ra_ptr, rb_ptr, dy_ptr, da_ptr, d
     if NORM_B:
         rb = tl.load(rb_ptr + rows, mask=row_ok, other=0.0)
         b = b * rb[:, None]
-    wa = tl.load(w_ptr + rows * 2, mask=row_ok, other=0.0)
-    wb = tl.load(w_ptr + rows * 2 + 1, mask=row_ok, other=0.0)
+    wa, wb = _merge_weights(w_ptr, rows, row_ok, LOGITS)
     gamma = tl.load(gamma_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + dense, mask=mask, other=0.0).to(tl.float32)
     tl.store(dgamma_ptr + pid * dim + cols,
              tl.sum(dy * (wa[:, None] * a + wb[:, None] * b), axis=0), mask=col_ok)
     g = dy * gamma[None, :]
-    tl.store(dw_ptr + rows * 2, tl.sum(g * a, axis=1), mask=row_ok)
-    tl.store(dw_ptr + rows * 2 + 1, tl.sum(g * b, axis=1), mask=row_ok)
+    dwa, dwb = tl.sum(g * a, axis=1), tl.sum(g * b, axis=1)
+    if LOGITS:
+        through = wa * dwa + wb * dwb
+        dwa, dwb = wa * (dwa - through), wb * (dwb - through)
+    tl.store(dw_ptr + rows * 2, dwa.to(dw_ptr.dtype.element_ty), mask=row_ok)
+    tl.store(dw_ptr + rows * 2 + 1, dwb.to(dw_ptr.dtype.element_ty), mask=row_ok)
     da = wa[:, None] * g
     db = wb[:, None] * g
     if NORM_A:
@@ -203,9 +218,8 @@ class _Merge(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor, weights: torch.Tensor,
                 gamma: torch.Tensor, eps: float, norm_a: bool, norm_b: bool,
-                out_dtype: torch.dtype) -> torch.Tensor:
-        weights_dtype = weights.dtype
-        a, b, weights = a.contiguous(), b.contiguous(), weights.float().contiguous()
+                out_dtype: torch.dtype, logits: bool) -> torch.Tensor:
+        a, b, weights = a.contiguous(), b.contiguous(), weights.contiguous()
         dim = a.shape[-1]
         n_rows = a.numel() // dim
         block_rows, block_d = _launch_shape(dim)
@@ -214,9 +228,9 @@ class _Merge(torch.autograd.Function):
                   for norm in (norm_a, norm_b))
         _merge_fwd[(triton.cdiv(n_rows, block_rows),)](
             a, b, weights, gamma, y, ra, rb, n_rows, dim, eps, NORM_A=norm_a, NORM_B=norm_b,
-            BLOCK_ROWS=block_rows, BLOCK_D=block_d)
+            LOGITS=logits, BLOCK_ROWS=block_rows, BLOCK_D=block_d)
         ctx.save_for_backward(a, b, weights, gamma, ra, rb)
-        ctx.norms, ctx.weights_dtype = (norm_a, norm_b), weights_dtype
+        ctx.norms, ctx.logits = (norm_a, norm_b), logits
         return y
 
     @staticmethod
@@ -229,22 +243,22 @@ class _Merge(torch.autograd.Function):
         programs = triton.cdiv(n_rows, block_rows)
         da = empty(*a.shape, dtype=a.dtype, device=a.device)
         db = empty(*b.shape, dtype=b.dtype, device=b.device)
-        dw = empty(*weights.shape, dtype=torch.float32, device=a.device)
+        dw = empty(*weights.shape, dtype=weights.dtype, device=a.device)
         dgamma = empty(programs, dim, dtype=torch.float32, device=a.device)
         _merge_bwd[(programs,)](
             a, b, weights, gamma, ra, rb, dy.contiguous(), da, db, dw, dgamma, n_rows, dim,
-            NORM_A=norm_a, NORM_B=norm_b, BLOCK_ROWS=block_rows, BLOCK_D=block_d)
-        return (da, db, dw.to(ctx.weights_dtype), dgamma.sum(0).to(gamma.dtype), None, None, None,
-                None)
+            NORM_A=norm_a, NORM_B=norm_b, LOGITS=ctx.logits, BLOCK_ROWS=block_rows,
+            BLOCK_D=block_d)
+        return da, db, dw, dgamma.sum(0).to(gamma.dtype), None, None, None, None, None
 
 
 def merge_branches(a: torch.Tensor, b: torch.Tensor, weights: torch.Tensor,
                    gamma: torch.Tensor, eps: float, norm_a: bool, norm_b: bool,
-                   out_dtype: torch.dtype) -> torch.Tensor:
+                   out_dtype: torch.dtype, logits: bool = False) -> torch.Tensor:
     """See :func:`nats.kernels.reference.norms.merge_branches`."""
     if a.shape != b.shape or weights.shape != (*a.shape[:-1], 2) \
             or gamma.shape != a.shape[-1:]:
         raise ValueError(f"merge_branches needs a, b [..., D], weights [..., 2], gamma [D]; "
                          f"got {list(a.shape)}, {list(b.shape)}, {list(weights.shape)}, "
                          f"{list(gamma.shape)}")
-    return _Merge.apply(a, b, weights, gamma, eps, norm_a, norm_b, out_dtype)
+    return _Merge.apply(a, b, weights, gamma, eps, norm_a, norm_b, out_dtype, logits)

@@ -35,11 +35,10 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nats.config import NatsConfig
-from nats.kernels import l2_norm, num_chunks
+from nats.kernels import Backend, l2_norm, linear_gates, num_chunks
 from nats.kernels.linear_ops import LinearOpSpec, linear_op_spec
 
 from .norms import upcast
@@ -62,14 +61,15 @@ class LinearGates(nn.Module):
     """The gate parameters of one operator.
 
     Decay ``g = -exp(A_log) softplus(W_a x + dt_bias)`` (Mamba2's parameterisation) and
-    write strength ``beta = sigmoid(W_b x)``; an operator has the ones it uses. The
-    parameter names are those of the Gated DeltaNet layers saved before the operator
-    became a choice, so their checkpoints load unchanged.
+    write strength ``beta = sigmoid(W_b x)`` (the operator :func:`nats.kernels.linear_gates`);
+    an operator has the ones it uses. The parameter names are those of the Gated DeltaNet
+    layers saved before the operator became a choice, so their checkpoints load unchanged.
     """
 
-    def __init__(self, d_model: int, n_heads: int, decay: bool, write: bool) -> None:
+    def __init__(self, d_model: int, n_heads: int, decay: bool, write: bool,
+                 backend: Backend = "auto") -> None:
         super().__init__()
-        self.n_heads = n_heads
+        self.n_heads, self.backend = n_heads, backend
         if decay:
             self.a_proj = nn.Linear(d_model, n_heads, bias=False)
             self.A_log = nn.Parameter(torch.empty(n_heads))
@@ -87,11 +87,13 @@ class LinearGates(nn.Module):
             self.b_proj = nn.Linear(d_model, n_heads, bias=False)
 
     def forward(self, x: torch.Tensor) -> TokenGates:
-        if hasattr(self, "a_proj"):
-            g = -upcast(self.A_log).exp() * F.softplus(upcast(self.a_proj(x)) + self.dt_bias)
-        else:
+        decay = hasattr(self, "a_proj")
+        g, beta = linear_gates(self.a_proj(x) if decay else None,
+                               self.A_log if decay else None, self.dt_bias if decay else None,
+                               self.b_proj(x) if hasattr(self, "b_proj") else None,
+                               backend=self.backend)
+        if g is None:
             g = upcast(x).new_zeros(*x.shape[:-1], self.n_heads)
-        beta = torch.sigmoid(upcast(self.b_proj(x))) if hasattr(self, "b_proj") else None
         return TokenGates(g, beta)
 
 
@@ -133,7 +135,8 @@ class LinearOperator:
         return self.d_v + self.spec.normaliser
 
     def gates(self, d_model: int) -> LinearGates:
-        return LinearGates(d_model, self.heads, decay=self.spec.decays, write=self.spec.delta)
+        return LinearGates(d_model, self.heads, decay=self.spec.decays, write=self.spec.delta,
+                           backend=self.backend)
 
     def features(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """``[B, T, H*D]`` projections as heads ``[B, T, H, D]``, q and k as the operator

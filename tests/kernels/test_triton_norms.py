@@ -98,17 +98,21 @@ def test_bf16_model_width_matches_reference_on_gpu(dim: int) -> None:
 
 
 def compare_merge(a: torch.Tensor, b: torch.Tensor, norm_a: bool, norm_b: bool,
-                  out_dtype: torch.dtype, out_tol: float, grad_tol: float) -> None:
-    """Triton and the float32 reference merge: output, da, db, dweights and dgamma."""
+                  out_dtype: torch.dtype, out_tol: float, grad_tol: float,
+                  logits: bool = False) -> None:
+    """Triton and the float32 reference merge: output, da, db, dweights and dgamma; with
+    ``logits``, weights given as the logits of a projection in ``a``'s dtype."""
     gen = torch.Generator().manual_seed(5)
     dim = a.shape[-1]
-    weights = torch.softmax(torch.randn(*a.shape[:-1], 2, generator=gen), -1).to(DEVICE)
+    weights = torch.randn(*a.shape[:-1], 2, generator=gen) * 3
+    weights = (weights.to(a.dtype) if logits else torch.softmax(weights, -1)).to(DEVICE)
     gamma = (torch.rand(dim, generator=gen) + 0.5).to(DEVICE)
     given = [a, b, weights, gamma]
     ins = [t.detach().clone().requires_grad_() for t in given]
     refs = [t.detach().float().requires_grad_() for t in given]
-    y = merge_branches(*ins, 1e-6, norm_a, norm_b, out_dtype, backend="triton")
-    y_ref = merge_branches(*refs, 1e-6, norm_a, norm_b, torch.float32, backend="reference")
+    y = merge_branches(*ins, 1e-6, norm_a, norm_b, out_dtype, logits=logits, backend="triton")
+    y_ref = merge_branches(*refs, 1e-6, norm_a, norm_b, torch.float32, logits=logits,
+                           backend="reference")
     assert y.dtype == out_dtype and y.shape == a.shape
     check(y, y_ref, out_tol, "y")
     dy = torch.randn(a.shape, generator=gen).to(DEVICE)
@@ -125,12 +129,13 @@ def compare_merge(a: torch.Tensor, b: torch.Tensor, norm_a: bool, norm_b: bool,
 @pytest.mark.parametrize(("dtype", "out_tol", "grad_tol"),
                          [(torch.float32, 1e-6, 1e-5), (torch.float16, 2e-3, 4e-3)])
 @pytest.mark.parametrize("shape", [(2, 5, 3, 16), (37, 24)])
+@pytest.mark.parametrize("logits", [False, True])
 def test_merge_matches_reference_interpreted(norm_a: bool, norm_b: bool, dtype: torch.dtype,
                                              out_tol: float, grad_tol: float,
-                                             shape: tuple[int, ...]) -> None:
+                                             shape: tuple[int, ...], logits: bool) -> None:
     gen = torch.Generator().manual_seed(6)
     a, b = ((torch.randn(shape, generator=gen) * 3).to(dtype) for _ in range(2))
-    compare_merge(a, b, norm_a, norm_b, torch.float32, out_tol, grad_tol)
+    compare_merge(a, b, norm_a, norm_b, torch.float32, out_tol, grad_tol, logits)
 
 
 def test_merge_rejects_mismatched_shapes() -> None:
@@ -143,9 +148,10 @@ def test_merge_rejects_mismatched_shapes() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize(("norm_a", "norm_b"), [(True, True), (True, False), (False, False)])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("logits", [False, True])
 def test_bf16_merge_matches_reference_on_gpu(norm_a: bool, norm_b: bool,
-                                             out_dtype: torch.dtype) -> None:
+                                             out_dtype: torch.dtype, logits: bool) -> None:
     gen = torch.Generator().manual_seed(8)
     a, b = ((torch.randn(4, 1000, 12, 64, generator=gen) * 2).to(torch.bfloat16).to(DEVICE)
             for _ in range(2))
-    compare_merge(a, b, norm_a, norm_b, out_dtype, 1e-2, 1e-2)
+    compare_merge(a, b, norm_a, norm_b, out_dtype, 1e-2, 1e-2, logits)
