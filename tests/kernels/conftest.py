@@ -1,22 +1,13 @@
-"""Kernel tests run Triton through its interpreter when there is no GPU.
-
-The interpreter must be chosen before Triton is first imported, hence here. The fixtures
-every kernel test module may ask for (``pytestmark = pytest.mark.usefixtures(...)``) live
-here too.
-"""
+"""The fixtures every kernel test module may ask for (``pytestmark =
+pytest.mark.usefixtures(...)``); the root conftest picks Triton's interpreter without a GPU."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
-import torch
 
 from .inputs import single_threaded
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture
