@@ -30,18 +30,28 @@ def _tile(b_t, c_block, seq_len, channels, BLOCK_T: tl.constexpr, BLOCK_C: tl.co
 
 
 @triton.jit
+def _rows(ptr, rows, c, base, seq_len, channels):
+    """Tokens ``rows`` x channels ``c`` of the sequence at ``base``, in float32; zeros for
+    tokens outside ``[0, seq_len)`` (the causal padding) and channels past the last."""
+    mask = ((rows >= 0) & (rows < seq_len))[:, None] & (c < channels)[None, :]
+    return tl.load(ptr + base + rows.to(tl.int64)[:, None] * channels + c[None, :], mask=mask,
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _tap(w_ptr, c, channels, i, K: tl.constexpr):
+    """Tap ``i`` of the channels ``c``, in float32."""
+    return tl.load(w_ptr + c * K + i, mask=c < channels, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _pre_activation(x_ptr, w_ptr, t, c, base, seq_len, channels, K: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """``y_t = sum_i w_i x_{t-K+1+i}`` over the tile, in float32."""
-    c_ok = c < channels
     acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
     for i in tl.static_range(K):
-        src = t - (K - 1) + i
-        mask = ((src >= 0) & (src < seq_len))[:, None] & c_ok[None, :]
-        x = tl.load(x_ptr + base + src.to(tl.int64)[:, None] * channels + c[None, :],
-                    mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + c * K + i, mask=c_ok, other=0.0).to(tl.float32)
-        acc += x * w[None, :]
+        acc += _rows(x_ptr, t - (K - 1) + i, c, base, seq_len, channels) \
+            * _tap(w_ptr, c, channels, i, K)[None, :]
     return acc
 
 
@@ -66,15 +76,11 @@ def _short_conv_bwd_pre(x_ptr, w_ptr, dy_ptr, dpre_ptr, dw_ptr, seq_len, channel
     y = _pre_activation(x_ptr, w_ptr, t, c, base, seq_len, channels, K, BLOCK_T, BLOCK_C)
     c_ok = c < channels
     mask = (t < seq_len)[:, None] & c_ok[None, :]
-    dense = base + t.to(tl.int64)[:, None] * channels + c[None, :]
     s = tl.sigmoid(y)
-    dpre = tl.load(dy_ptr + dense, mask=mask, other=0.0).to(tl.float32) * s * (1 + y * (1 - s))
-    tl.store(dpre_ptr + dense, dpre, mask=mask)
+    dpre = _rows(dy_ptr, t, c, base, seq_len, channels) * s * (1 + y * (1 - s))
+    tl.store(dpre_ptr + base + t.to(tl.int64)[:, None] * channels + c[None, :], dpre, mask=mask)
     for i in tl.static_range(K):
-        src = t - (K - 1) + i
-        src_mask = ((src >= 0) & (src < seq_len))[:, None] & c_ok[None, :]
-        x = tl.load(x_ptr + base + src.to(tl.int64)[:, None] * channels + c[None, :],
-                    mask=src_mask, other=0.0).to(tl.float32)
+        x = _rows(x_ptr, t - (K - 1) + i, c, base, seq_len, channels)
         tl.store(dw_ptr + (b_t.to(tl.int64) * K + i) * channels + c, tl.sum(dpre * x, axis=0),
                  mask=c_ok)
 
@@ -84,15 +90,11 @@ def _short_conv_bwd_x(dpre_ptr, w_ptr, dx_ptr, seq_len, channels, K: tl.constexp
                       BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     # x_t feeds y_{t+K-1-i} through tap i: dx_t = sum_i w_i dL/dy_{t+K-1-i}.
     t, c, base = _tile(tl.program_id(0), tl.program_id(1), seq_len, channels, BLOCK_T, BLOCK_C)
-    c_ok = c < channels
     acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
     for i in tl.static_range(K):
-        src = t + (K - 1) - i
-        mask = (src < seq_len)[:, None] & c_ok[None, :]
-        dpre = tl.load(dpre_ptr + base + src.to(tl.int64)[:, None] * channels + c[None, :],
-                       mask=mask, other=0.0)
-        acc += dpre * tl.load(w_ptr + c * K + i, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-    mask = (t < seq_len)[:, None] & c_ok[None, :]
+        acc += _rows(dpre_ptr, t + (K - 1) - i, c, base, seq_len, channels) \
+            * _tap(w_ptr, c, channels, i, K)[None, :]
+    mask = (t < seq_len)[:, None] & (c < channels)[None, :]
     tl.store(dx_ptr + base + t.to(tl.int64)[:, None] * channels + c[None, :],
              acc.to(dx_ptr.dtype.element_ty), mask=mask)
 
