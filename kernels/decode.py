@@ -68,3 +68,22 @@ def hybrid_attention_decode(q: torch.Tensor, store_k: torch.Tensor, store_v: tor
     impl = reference if fast is None else fast
     return impl.hybrid_attention_decode(q, store_k, store_v, store_len, chunk_k, chunk_v,
                                         chunk_len, scale)
+
+
+def short_conv_step(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, *,
+                    backend: Backend = "auto") -> torch.Tensor:
+    """See :func:`.reference.decode.short_conv_step`."""
+    fast = _triton(backend, x)
+    return (reference if fast is None else fast).short_conv_step(x, window, weight)
+
+
+def append_to_open_chunk(position: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                         x: torch.Tensor, g: torch.Tensor, chunk_k: torch.Tensor,
+                         chunk_v: torch.Tensor, pool_sum: torch.Tensor,
+                         pool_max: torch.Tensor | None, chunk_log_decay: torch.Tensor,
+                         open_len: torch.Tensor, *, backend: Backend = "auto") -> None:
+    """See :func:`.reference.decode.append_to_open_chunk`."""
+    fast = _triton(backend, x)
+    (reference if fast is None else fast).append_to_open_chunk(
+        position, keys, values, x, g, chunk_k, chunk_v, pool_sum, pool_max, chunk_log_decay,
+        open_len)

@@ -74,7 +74,7 @@ class NatsLayerCache(_Buffers):
     """NAtS-L layer.
 
     ``store_k/v`` ``[B, H, r, M, C, D]`` hold per routing head its softmax chunks in
-    order (the first ``store_chunks[b, h]`` chunks are real); ``chunk_k/v``
+    order (the first ``store_len[b, h]`` keys, whole chunks, are real); ``chunk_k/v``
     ``[B, H*r, C, D]`` the unfinished chunk, of which the first ``open_len`` tokens are
     real; ``pool_sum`` and ``pool_max`` ``[B, D_model]`` the scorer's running sum and
     maximum over it (``-inf`` while it is empty; the maximum is kept only under a max
@@ -95,13 +95,18 @@ class NatsLayerCache(_Buffers):
     pool_max: torch.Tensor
     store_k: torch.Tensor
     store_v: torch.Tensor
-    store_chunks: torch.Tensor
+    store_len: torch.Tensor
+
+    @property
+    def store_chunks(self) -> torch.Tensor:
+        """Softmax chunks stored per routing head ``[B, H]``."""
+        return self.store_len // self.store_k.shape[4]
 
     def kv_bytes(self) -> int:
         """Bytes of keys and values that are really held (real slots and own chunk)."""
-        r, _, chunk = self.store_k.shape[2:5]
+        r = self.store_k.shape[2]
         per_head = (self.store_k.shape[5] + self.store_v.shape[5]) * self.store_k.element_size()
-        stored = int(self.store_chunks.sum()) * r * chunk  # (head, token) pairs
+        stored = int(self.store_len.sum()) * r  # (head, token) pairs
         open_chunk = self.chunk_k.shape[0] * self.chunk_k.shape[1] * self.open_len
         return (stored + open_chunk) * per_head
 
@@ -109,14 +114,15 @@ class NatsLayerCache(_Buffers):
         """File the finished chunk: keys and values of softmax heads ``[B, H]`` go to the
         store. Every head writes its next free slot; only softmax heads claim it."""
         batch, heads, r, slots, chunk, _ = self.store_k.shape
-        if int(self.store_chunks.max()) == slots:  # grow geometrically
+        filed = self.store_chunks
+        if int(filed.max()) == slots:  # grow geometrically
             grow = (0, 0, 0, 0, 0, slots)
             self.store_k, self.store_v = F.pad(self.store_k, grow), F.pad(self.store_v, grow)
         for store, new in ((self.store_k, self.chunk_k), (self.store_v, self.chunk_v)):
             src = new.reshape(batch, heads, r, 1, chunk, new.shape[-1])
-            index = self.store_chunks.view(batch, heads, 1, 1, 1, 1).expand_as(src)
+            index = filed.view(batch, heads, 1, 1, 1, 1).expand_as(src)
             store.scatter_(3, index, src)
-        self.store_chunks += is_softmax.long()  # in place: captured decode steps read it
+        self.store_len += chunk * is_softmax.long()  # in place: captured decode steps read it
         self.open_len = 0
 
 

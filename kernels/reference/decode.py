@@ -11,6 +11,7 @@ import torch
 
 from .chunks import compute_dtype
 from .linear_attention import elu_feature_map
+from .short_conv import short_conv
 
 
 def _written(new_state: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -105,3 +106,35 @@ def hybrid_attention_decode(q: torch.Tensor, store_k: torch.Tensor, store_v: tor
     out = sum(torch.einsum("bhl,bhld->bhd", pi, v.to(dt)) for pi, v in zip(p, values,
                                                                           strict=True))
     return out.to(store_v.dtype)
+
+
+def short_conv_step(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """One token of the short convolution: ``x`` ``[B, C]`` after ``window`` ``[B, K-1, C]``
+    (the last ``K - 1`` inputs, zeros before the start), ``weight`` ``[C, K]``. Returns
+    ``SiLU(y)`` ``[B, C]`` in ``x``'s dtype, the parallel form's last output over the
+    ``K`` tokens, and moves ``window`` on by ``x`` in place."""
+    taps = torch.cat([window, x[:, None].to(window.dtype)], 1)
+    y = short_conv(taps, weight)[:, -1].to(x.dtype)
+    window.copy_(taps[:, 1:])
+    return y
+
+
+def append_to_open_chunk(position: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                         x: torch.Tensor, g: torch.Tensor, chunk_k: torch.Tensor,
+                         chunk_v: torch.Tensor, pool_sum: torch.Tensor,
+                         pool_max: torch.Tensor | None, chunk_log_decay: torch.Tensor,
+                         open_len: torch.Tensor) -> None:
+    """A NAtS-L cache's bookkeeping for the token at ``position`` (a device scalar), in
+    place: its softmax keys and values ``[B, Hq, D]`` go to slot ``position % C`` of the
+    open chunk ``chunk_k/v`` ``[B, Hq, C, D]``; its layer input ``x`` ``[B, D_model]`` is
+    added to the scorer's running ``pool_sum`` and maximum ``pool_max`` (None: not kept);
+    its log decay ``g`` ``[B, H]`` to ``chunk_log_decay``; ``open_len`` (one element) becomes
+    the open chunk's length, ``position % C + 1``."""
+    slot = (position % chunk_k.shape[2]).view(1)
+    chunk_k.index_copy_(2, slot, keys[:, :, None].to(chunk_k.dtype))
+    chunk_v.index_copy_(2, slot, values[:, :, None].to(chunk_v.dtype))
+    pool_sum.add_(x.to(pool_sum.dtype))
+    if pool_max is not None:
+        torch.maximum(pool_max, x.to(pool_max.dtype), out=pool_max)
+    chunk_log_decay.add_(g.to(chunk_log_decay.dtype))
+    open_len.copy_(slot + 1)

@@ -183,3 +183,119 @@ def hybrid_attention_decode(q: torch.Tensor, store_k: torch.Tensor, store_v: tor
     _attn_combine_kernel[(batch * hq,)](m, total, acc, out, n_splits, DV=d_v,
                                         BDV=triton.next_power_of_2(d_v), BS=64)
     return out
+
+
+@triton.jit
+def _short_conv_step_kernel(X, WIN, W, Y, x_stride, channels, K: tl.constexpr,
+                            BLOCK_C: tl.constexpr):
+    """Channels ``[c0, c0 + BLOCK_C)`` of batch row ``b``: each window row is read before
+    the same thread writes the row before it, so the window moves on in place."""
+    b = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = c < channels
+    x = tl.load(X + b.to(tl.int64) * x_stride + c, mask=ok, other=0.0)
+    acc = x.to(tl.float32) * tl.load(W + c * K + K - 1, mask=ok, other=0.0).to(tl.float32)
+    win = WIN + b.to(tl.int64) * (K - 1) * channels + c
+    for i in tl.static_range(K - 1):
+        row = tl.load(win + i * channels, mask=ok, other=0.0)
+        acc += row.to(tl.float32) * tl.load(W + c * K + i, mask=ok, other=0.0).to(tl.float32)
+        if i > 0:
+            tl.store(win + (i - 1) * channels, row, mask=ok)
+    if K > 1:
+        tl.store(win + (K - 2) * channels, x.to(WIN.dtype.element_ty), mask=ok)
+    tl.store(Y + b.to(tl.int64) * channels + c, (acc * tl.sigmoid(acc)).to(Y.dtype.element_ty),
+             mask=ok)
+
+
+def short_conv_step(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """See :func:`nats.kernels.reference.decode.short_conv_step`."""
+    batch, channels = x.shape
+    kernel_size = weight.shape[1]
+    if window.shape != (batch, kernel_size - 1, channels) or not window.is_contiguous():
+        raise ValueError(f"the window must be a contiguous [B, K-1, C] = "
+                         f"{[batch, kernel_size - 1, channels]}, got {list(window.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = empty(batch, channels, dtype=x.dtype, device=x.device)
+    block_c = min(1024, triton.next_power_of_2(channels))
+    _short_conv_step_kernel[(batch, triton.cdiv(channels, block_c))](
+        x, window, weight.contiguous(), y, x.stride(0), channels, K=kernel_size,
+        BLOCK_C=block_c)
+    return y
+
+
+@triton.jit
+def _into_slot(src, dst, src_stride, b, slot, C, HQ, dim, BLOCK: tl.constexpr):
+    """Row ``b`` of ``src`` (``HQ`` heads of ``dim``) into slot ``slot`` of ``dst``
+    ``[B, HQ, C, dim]``."""
+    for n0 in range(0, HQ * dim, BLOCK):
+        n = n0 + tl.arange(0, BLOCK)
+        ok = n < HQ * dim
+        val = tl.load(src + b.to(tl.int64) * src_stride + n, mask=ok, other=0.0)
+        at = ((b * HQ + n // dim).to(tl.int64) * C + slot) * dim + n % dim
+        tl.store(dst + at, val.to(dst.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _append_kernel(POS, KEYS, VALUES, X, G, CK, CV, PSUM, PMAX, DECAY, OPEN_LEN,
+                   keys_stride, values_stride, x_stride, C, HQ, DK, DV, DM, H,
+                   HAS_MAX: tl.constexpr, BLOCK: tl.constexpr):
+    """Part ``p`` of batch row ``b``'s bookkeeping: 0 the keys, 1 the values, 2 the scorer's
+    pool, 3 the log decay and the open chunk's length."""
+    b, part = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(POS) % C
+    if part == 0:
+        _into_slot(KEYS, CK, keys_stride, b, slot, C, HQ, DK, BLOCK)
+    elif part == 1:
+        _into_slot(VALUES, CV, values_stride, b, slot, C, HQ, DV, BLOCK)
+    elif part == 2:
+        for n0 in range(0, DM, BLOCK):
+            n = n0 + tl.arange(0, BLOCK)
+            ok = n < DM
+            x = tl.load(X + b.to(tl.int64) * x_stride + n, mask=ok, other=0.0).to(tl.float32)
+            at = b.to(tl.int64) * DM + n
+            tl.store(PSUM + at, tl.load(PSUM + at, mask=ok, other=0.0) + x, mask=ok)
+            if HAS_MAX:
+                tl.store(PMAX + at, tl.maximum(tl.load(PMAX + at, mask=ok, other=0.0), x),
+                         mask=ok)
+    else:
+        for n0 in range(0, H, BLOCK):
+            n = n0 + tl.arange(0, BLOCK)
+            ok = n < H
+            at = b * H + n
+            tl.store(DECAY + at, tl.load(DECAY + at, mask=ok, other=0.0)
+                     + tl.load(G + at, mask=ok, other=0.0).to(tl.float32), mask=ok)
+        if b == 0:
+            tl.store(OPEN_LEN, (slot + 1).to(OPEN_LEN.dtype.element_ty))
+
+
+def _rows_of(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``t`` ``[B, ...]`` with each batch row one contiguous run, and its row stride (a copy
+    only where a row is not)."""
+    if not t[0].is_contiguous():
+        t = t.contiguous()
+    return t, t.stride(0)
+
+
+def append_to_open_chunk(position: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                         x: torch.Tensor, g: torch.Tensor, chunk_k: torch.Tensor,
+                         chunk_v: torch.Tensor, pool_sum: torch.Tensor,
+                         pool_max: torch.Tensor | None, chunk_log_decay: torch.Tensor,
+                         open_len: torch.Tensor) -> None:
+    """See :func:`nats.kernels.reference.decode.append_to_open_chunk`."""
+    batch, hq, chunk, d_k = chunk_k.shape
+    d_v, d_model, heads = chunk_v.shape[-1], x.shape[-1], g.shape[-1]
+    for name, t in (("chunk_k", chunk_k), ("chunk_v", chunk_v), ("pool_sum", pool_sum),
+                    ("pool_max", pool_max), ("chunk_log_decay", chunk_log_decay)):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if pool_sum.dtype != torch.float32 or chunk_log_decay.dtype != torch.float32:
+        raise ValueError("the pool and the summed log decay are float32")
+    keys, keys_stride = _rows_of(keys)
+    values, values_stride = _rows_of(values)
+    x, x_stride = _rows_of(x)
+    _append_kernel[(batch, 4)](
+        position, keys, values, x, g.contiguous(), chunk_k, chunk_v, pool_sum,
+        pool_sum if pool_max is None else pool_max, chunk_log_decay, open_len,
+        keys_stride, values_stride, x_stride, chunk, hq, d_k, d_v, d_model, heads,
+        HAS_MAX=pool_max is not None, BLOCK=1024)

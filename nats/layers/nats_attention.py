@@ -20,7 +20,7 @@ from torch import nn
 from nats.cache import NatsLayerCache
 from nats.config import NatsConfig
 from nats.kernels import SOFTMAX, hybrid_softmax_attention, merge_branches
-from nats.kernels.decode import hybrid_attention_decode
+from nats.kernels.decode import append_to_open_chunk, hybrid_attention_decode
 from nats.kernels.streams import concurrently
 
 from ..softmax_fraction import softmax_fraction
@@ -140,7 +140,7 @@ class NatsAttention(nn.Module):
         is the learned gain of ``softmax_gain_init``)."""
         cfg = self.cfg
         heads = cfg.n_heads * cfg.softmax_heads_per_head
-        w = F.softmax(upcast(self.mix(q).view(*q.shape[:2], heads, 2)), -1)
+        w = self.mix(q).view(*q.shape[:2], heads, 2)  # logits
         scale = None  # of the softmax branch, folded into w_SM so the merge kernel is one
         if self.softmax_scale is not None:
             if self.training:
@@ -148,11 +148,12 @@ class NatsAttention(nn.Module):
             scale = torch.rsqrt(self.softmax_scale.running_mean + cfg.norm_eps)
         if self.softmax_gain is not None:
             scale = self.softmax_gain if scale is None else scale * self.softmax_gain
-        if scale is not None:
-            w = w * torch.stack([torch.ones_like(scale), scale], -1).to(w.dtype)
+        if scale is not None:  # the weights themselves, scaled; else the merge takes logits
+            w = F.softmax(upcast(w), -1) * torch.stack([torch.ones_like(scale), scale], -1)
         y = merge_branches(o_la.reshape(*o_sm.shape), o_sm, w, self.out.gamma, cfg.norm_eps,
                            norm_a=cfg.branch_norm != "none", norm_b=cfg.branch_norm == "both",
-                           out_dtype=x.dtype, gamma_b=self.softmax_gamma, backend=cfg.backend)
+                           out_dtype=x.dtype, gamma_b=self.softmax_gamma, logits=scale is None,
+                           backend=cfg.backend)
         return self.out.project(y, x)
 
     # -- parallel form ---------------------------------------------------------------------
@@ -200,7 +201,7 @@ class NatsAttention(nn.Module):
             def cache() -> NatsLayerCache:
                 store_k, store_v, store_chunks = store()
                 return NatsLayerCache(**parts, store_k=store_k, store_v=store_v,
-                                      store_chunks=store_chunks)
+                                      store_len=store_chunks * c)
         routable = slice(0, routes.shape[1] - 1)
         reg = probs[:, routable, :, SOFTMAX].mean() if routes.shape[1] > 1 else probs.new_zeros(())
         routing = LayerRouting(
@@ -298,7 +299,7 @@ class NatsAttention(nn.Module):
              ) -> torch.Tensor:
         """One token ``x`` ``[B, 1, D]`` at ``position`` (a device scalar); updates ``cache``
         in place, with the same launches at every position (no host reads)."""
-        cfg, c = self.cfg, self.cfg.chunk_size
+        cfg = self.cfg
         qkv = self.qkv.step(x, cache.conv)
         q, k, v = qkv[:3]
         qs, ks, vs = self._softmax_heads(qkv, position)
@@ -306,16 +307,14 @@ class NatsAttention(nn.Module):
         gates = self.gates(x).window(0)
         o_la, _ = self.linear.step(cache.state, ql[:, 0], kl[:, 0], vl[:, 0], gates,
                                    out=cache.state)
-        cache.chunk_log_decay.add_(gates.g)
-        slot = (position % c).view(1)
-        cache.chunk_k.index_copy_(2, slot, ks.transpose(1, 2))
-        cache.chunk_v.index_copy_(2, slot, vs.transpose(1, 2))
-        cache.pool_sum.add_(upcast(x[:, 0]))
-        if cfg.scorer_pool != "mean":
-            torch.maximum(cache.pool_max, upcast(x[:, 0]), out=cache.pool_max)
+        open_len = torch.empty(1, dtype=torch.long, device=x.device)  # written next
+        append_to_open_chunk(position, ks[:, 0], vs[:, 0], x[:, 0], gates.g, cache.chunk_k,
+                             cache.chunk_v, cache.pool_sum,
+                             None if cfg.scorer_pool == "mean" else cache.pool_max,
+                             cache.chunk_log_decay, open_len, backend=cfg.backend)
         store_k, store_v = cache.store_k.flatten(3, 4), cache.store_v.flatten(3, 4)
-        o_sm = hybrid_attention_decode(qs[:, 0], store_k, store_v, cache.store_chunks * c,
-                                       cache.chunk_k, cache.chunk_v, slot + 1,
+        o_sm = hybrid_attention_decode(qs[:, 0], store_k, store_v, cache.store_len,
+                                       cache.chunk_k, cache.chunk_v, open_len,
                                        cfg.softmax_head_dim_k**-0.5, backend=cfg.backend)
         return self._merge(q, o_la[:, None], o_sm[:, None], x)
 

@@ -32,9 +32,7 @@ class QKVProjection(nn.Module):
 
     def step(self, x: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """One token ``[B, 1, d_model]``; advances the conv ``window`` in place."""
-        y, new_window = self.conv.step(self.proj(x), window)
-        window.copy_(new_window)
-        return y.split(self.dims, -1)
+        return self.conv.step(self.proj(x), window).split(self.dims, -1)
 
 
 class GatedOutput(nn.Module):

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nats.kernels import Backend, short_conv
+from nats.kernels.decode import short_conv_step
 
 
 class ShortConvolution(nn.Module):
@@ -31,8 +32,8 @@ class ShortConvolution(nn.Module):
         window = self.kernel_size - 1
         return F.pad(x, (0, 0, max(window - x.shape[1], 0), 0))[:, -window:] if window else x[:, :0]
 
-    def step(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token ``x`` ``[B, 1, C]`` against ``state`` ``[B, K-1, C]``."""
-        window = torch.cat([state, x], 1)  # [B, K, C]
-        y = torch.einsum("bkc,ck->bc", window, self.weight[:, 0]).unsqueeze(1)
-        return F.silu(y), window[:, 1:]
+    def step(self, x: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+        """One token ``x`` ``[B, 1, C]`` after ``window`` ``[B, K-1, C]``, which moves on by
+        ``x`` in place (a captured decode step keeps its buffer)."""
+        return short_conv_step(x[:, 0], window, self.weight[:, 0],
+                               backend=self.backend)[:, None]

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nats.kernels import decode
+from nats.kernels import decode, short_conv
 from nats.kernels.reference import decode as ref
 
 from .inputs import CUDA, DEVICE, check, gdr_inputs
@@ -60,17 +60,22 @@ def test_reference_attention_equals_attention_over_the_real_keys(chunk_len: int)
             torch.testing.assert_close(got[b, hq], want, rtol=1e-12, atol=1e-12)
 
 
+def on_gpu(cases: list[tuple]) -> list:
+    """GPU-shape cases, marked so that the GPU gate (``-m gpu``) runs them."""
+    return [pytest.param(*case, marks=pytest.mark.gpu) for case in cases]
+
+
 ATTENTION_CASES = [
     # batch, heads, r, capacity, chunk, Dk, Dv, chunk_len (None: no open chunk), dtype
     (2, 2, 2, 20, 16, 16, 8, 1, torch.float32),
     (1, 3, 1, 300, 32, 32, 32, 32, torch.float16),  # two store splits
     (2, 2, 2, 64, 16, 24, 16, 9, torch.float32),     # a head width that is no power of two
     (2, 4, 1, 70, 0, 16, 16, None, torch.float16),   # a plain softmax layer's cache
-] if not CUDA else [
+] if not CUDA else on_gpu([
     (1, 16, 2, 8192, 64, 64, 64, 37, torch.bfloat16),
     (4, 16, 2, 2048, 64, 64, 64, 64, torch.bfloat16),
     (1, 32, 1, 100_000, 0, 64, 64, None, torch.bfloat16),
-]
+])
 
 
 @pytest.mark.parametrize(("batch", "heads", "r", "capacity", "chunk", "d_k", "d_v", "chunk_len",
@@ -94,8 +99,8 @@ def test_triton_attention_matches_reference(batch: int, heads: int, r: int, capa
     check(got, want, OUTPUT_TOL[dtype], "attention")
 
 
-LINEAR_CASES = [(2, 3, 16, 16, torch.float32), (1, 2, 32, 24, LOW)] if not CUDA else [
-    (1, 16, 128, 128, torch.bfloat16), (8, 16, 128, 128, torch.float32)]
+LINEAR_CASES = [(2, 3, 16, 16, torch.float32), (1, 2, 32, 24, LOW)] if not CUDA else on_gpu([
+    (1, 16, 128, 128, torch.bfloat16), (8, 16, 128, 128, torch.float32)])
 
 
 @pytest.mark.parametrize("op", ["gated_deltanet", "gated_linear_attention", "linear_attention"])
@@ -130,3 +135,100 @@ def test_triton_linear_step_matches_reference(op: str, in_place: bool, batch: in
     assert (new is state_tri) == in_place
     check(o, o_ref, 1e-5 if op != "linear_attention" else OUTPUT_TOL[dtype], "o")
     check(new, new_ref, 1e-5, "state")
+
+
+def test_reference_conv_steps_reproduce_the_parallel_form() -> None:
+    """Token by token, the step's outputs and window are the parallel convolution's."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 9, 5, generator=gen, dtype=torch.float64)
+    weight = torch.randn(5, 4, generator=gen, dtype=torch.float64)
+    window = torch.zeros(3, 3, 5, dtype=torch.float64)
+    steps = [ref.short_conv_step(x[:, t], window, weight) for t in range(9)]
+    torch.testing.assert_close(torch.stack(steps, 1), short_conv(x, weight))
+    torch.testing.assert_close(window, x[:, -3:])
+
+
+CONV_CASES = [(2, 24, 4, torch.float32), (1, 200, 4, LOW), (3, 7, 2, torch.float32),
+              (2, 5, 1, LOW)] if not CUDA else on_gpu([
+    (1, 2304, 4, torch.bfloat16), (4, 3072, 4, torch.bfloat16), (2, 1000, 2, torch.bfloat16),
+    (1, 384, 1, torch.bfloat16)])
+
+
+@pytest.mark.parametrize(("batch", "channels", "kernel_size", "dtype"), CONV_CASES)
+def test_triton_conv_step_matches_reference(batch: int, channels: int, kernel_size: int,
+                                            dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(channels)
+    # x as one slice of a wider projection row, as a layer's step passes it.
+    wide = (torch.randn(batch, 2 * channels, generator=gen) * 2).to(dtype).to(DEVICE)
+    x = wide[:, channels:]
+    window = torch.randn(batch, kernel_size - 1, channels, generator=gen).to(dtype).to(DEVICE)
+    weight = torch.randn(channels, kernel_size, generator=gen).to(DEVICE)
+    window_ref = window.clone()
+    y = decode.short_conv_step(x, window, weight, backend="triton")
+    y_ref = ref.short_conv_step(x, window_ref, weight)
+    assert y.dtype == dtype and y.shape == x.shape
+    check(y, y_ref, OUTPUT_TOL[dtype], "y")
+    assert torch.equal(window, window_ref)
+
+
+def _open_chunk(batch: int, hq: int, heads: int, chunk: int, d_k: int, d_v: int,
+                d_model: int, dtype: torch.dtype, seed: int):
+    """A token's keys and values as strided slices of a projection row, its layer input and
+    log decays, and a cache's open-chunk buffers with random contents."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int, to: torch.dtype = dtype) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(to).to(DEVICE)
+
+    row = randn(batch, hq * (2 * d_k + d_v))
+    keys = row[:, hq * d_k: 2 * hq * d_k].view(batch, hq, d_k)
+    values = row[:, 2 * hq * d_k:].view(batch, hq, d_v)
+    token = dict(keys=keys, values=values, x=randn(batch, d_model),
+                 g=randn(batch, heads, to=torch.float32))
+    f32 = torch.float32
+    buffers = dict(chunk_k=randn(batch, hq, chunk, d_k), chunk_v=randn(batch, hq, chunk, d_v),
+                   pool_sum=randn(batch, d_model, to=f32), pool_max=randn(batch, d_model, to=f32),
+                   chunk_log_decay=randn(batch, heads, to=f32),
+                   open_len=torch.zeros(1, dtype=torch.long, device=DEVICE))
+    return token, buffers
+
+
+def test_reference_append_writes_one_slot() -> None:
+    token, buffers = _open_chunk(2, 4, 2, 16, 8, 6, 10, torch.float64, 0)
+    before = {k: v.clone() for k, v in buffers.items()}
+    ref.append_to_open_chunk(torch.tensor(37, device=DEVICE), **token, **buffers)
+    slot = 37 % 16
+    for name, new in (("chunk_k", token["keys"]), ("chunk_v", token["values"])):
+        want = before[name].clone()
+        want[:, :, slot] = new
+        assert torch.equal(buffers[name], want), name
+    x = token["x"].float()  # the pool is float32
+    assert torch.equal(buffers["pool_sum"], before["pool_sum"] + x)
+    assert torch.equal(buffers["pool_max"], torch.maximum(before["pool_max"], x))
+    assert torch.equal(buffers["chunk_log_decay"], before["chunk_log_decay"] + token["g"])
+    assert buffers["open_len"].tolist() == [slot + 1]
+
+
+APPEND_CASES = [(2, 4, 2, 16, 8, 8, 20, torch.float32), (1, 6, 3, 32, 16, 24, 40, LOW),
+                (3, 2, 1, 64, 4, 4, 1500, LOW)] if not CUDA else on_gpu([
+    (1, 12, 6, 64, 64, 64, 768, torch.bfloat16), (4, 32, 16, 64, 64, 64, 2048, torch.bfloat16),
+    (2, 12, 6, 16, 64, 128, 768, torch.float32)])
+
+
+@pytest.mark.parametrize("with_max", [True, False])
+@pytest.mark.parametrize("position", [0, 15, 100])
+@pytest.mark.parametrize(("batch", "hq", "heads", "chunk", "d_k", "d_v", "d_model", "dtype"),
+                         APPEND_CASES)
+def test_triton_append_matches_reference(with_max: bool, position: int, batch: int, hq: int,
+                                         heads: int, chunk: int, d_k: int, d_v: int,
+                                         d_model: int, dtype: torch.dtype) -> None:
+    token, buffers = _open_chunk(batch, hq, heads, chunk, d_k, d_v, d_model, dtype, position)
+    if not with_max:
+        buffers["pool_max"] = None
+    want = {k: None if v is None else v.clone() for k, v in buffers.items()}
+    at = torch.tensor(position, device=DEVICE)
+    decode.append_to_open_chunk(at, **token, **buffers, backend="triton")
+    ref.append_to_open_chunk(at, **token, **want)
+    for name, got in buffers.items():
+        if got is not None:
+            assert torch.equal(got, want[name]), name

@@ -237,3 +237,23 @@ def test_graphed_decoding_needs_a_gpu():
     _, cache = model.prefill(torch.zeros(1, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="needs the model and its cache on a GPU"):
         GraphedDecoder(model, cache)
+
+
+@pytest.mark.parametrize("pool", ["mean", "max"])
+def test_decode_steps_on_the_triton_kernels_match_the_reference(pool):
+    """Interpreted on the CPU: the decode step's own kernels (convolution step, gates, the
+    open chunk's bookkeeping, attention over the cache) give the reference backend's logits
+    across chunk ends, for every layer kind."""
+    layers = ("nats", "linear", "softmax")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    models = {backend: tiny_model(layers, dtype=torch.float32, scorer_pool=pool,
+                                  backend=backend).to(device)
+              for backend in ("reference", "triton")}
+    ids = torch.randint(0, 50, (2, 36), generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        # One prefill for both: the kernels under test are the steps'.
+        caches = {backend: models["reference"].prefill(ids[:, :13])[1] for backend in models}
+        for t in range(13, 36):
+            want = models["reference"].decode_step(ids[:, t], caches["reference"])
+            got = models["triton"].decode_step(ids[:, t], caches["triton"])
+            assert rel_err(got, want) < 1e-5, t
