@@ -40,16 +40,22 @@ def _tile(n_rows, heads, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
 
 
 @triton.jit
+def _decay_inputs(a_ptr, a_log_ptr, dt_bias_ptr, dense, h, mask, heads):
+    """``pre = a + dt_bias`` of the tile and each head's ``rate = exp(A_log)``."""
+    pre = (tl.load(a_ptr + dense, mask=mask, other=0.0).to(tl.float32)
+           + tl.load(dt_bias_ptr + h, mask=h < heads, other=0.0).to(tl.float32)[None, :])
+    rate = tl.exp(tl.load(a_log_ptr + h, mask=h < heads, other=0.0).to(tl.float32))
+    return pre, rate[None, :]
+
+
+@triton.jit
 def _gates_fwd(a_ptr, a_log_ptr, dt_bias_ptr, b_ptr, g_ptr, beta_ptr, n_rows, heads,
                DECAY: tl.constexpr, WRITE: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                BLOCK_H: tl.constexpr):
     dense, h, mask = _tile(n_rows, heads, BLOCK_ROWS, BLOCK_H)
     if DECAY:
-        pre = (tl.load(a_ptr + dense, mask=mask, other=0.0).to(tl.float32)
-               + tl.load(dt_bias_ptr + h, mask=h < heads, other=0.0).to(tl.float32)[None, :])
-        softplus = _softplus(pre)
-        rate = tl.exp(tl.load(a_log_ptr + h, mask=h < heads, other=0.0).to(tl.float32))
-        tl.store(g_ptr + dense, -rate[None, :] * softplus, mask=mask)
+        pre, rate = _decay_inputs(a_ptr, a_log_ptr, dt_bias_ptr, dense, h, mask, heads)
+        tl.store(g_ptr + dense, -rate * _softplus(pre), mask=mask)
     if WRITE:
         b = tl.load(b_ptr + dense, mask=mask, other=0.0).to(tl.float32)
         tl.store(beta_ptr + dense, tl.sigmoid(b), mask=mask)
@@ -64,16 +70,13 @@ def _gates_bwd(a_ptr, a_log_ptr, dt_bias_ptr, b_ptr, dg_ptr, dbeta_ptr, da_ptr, 
     # rows, d(dt_bias); d(A_log) = sum of dg g. beta = sigmoid(b): db = dbeta beta (1 - beta).
     dense, h, mask = _tile(n_rows, heads, BLOCK_ROWS, BLOCK_H)
     if DECAY:
-        pre = (tl.load(a_ptr + dense, mask=mask, other=0.0).to(tl.float32)
-               + tl.load(dt_bias_ptr + h, mask=h < heads, other=0.0).to(tl.float32)[None, :])
-        softplus = _softplus(pre)
+        pre, rate = _decay_inputs(a_ptr, a_log_ptr, dt_bias_ptr, dense, h, mask, heads)
         slope = tl.where(pre > SOFTPLUS_THRESHOLD, 1.0, tl.sigmoid(pre))
-        rate = tl.exp(tl.load(a_log_ptr + h, mask=h < heads, other=0.0).to(tl.float32))
         dg = tl.load(dg_ptr + dense, mask=mask, other=0.0)
-        dpre = -rate[None, :] * dg * slope
+        dpre = -rate * dg * slope
         tl.store(da_ptr + dense, dpre.to(da_ptr.dtype.element_ty), mask=mask)
         part = dparams_ptr + tl.program_id(0) * 2 * heads + h
-        tl.store(part, tl.sum(-rate[None, :] * softplus * dg, axis=0), mask=h < heads)
+        tl.store(part, tl.sum(-rate * _softplus(pre) * dg, axis=0), mask=h < heads)
         tl.store(part + heads, tl.sum(dpre, axis=0), mask=h < heads)
     if WRITE:
         beta = tl.sigmoid(tl.load(b_ptr + dense, mask=mask, other=0.0).to(tl.float32))
@@ -85,6 +88,13 @@ def _gates_bwd(a_ptr, a_log_ptr, dt_bias_ptr, b_ptr, dg_ptr, dbeta_ptr, da_ptr, 
 def _launch_shape(heads: int) -> tuple[int, int]:
     block_h = triton.next_power_of_2(heads)
     return max(1, min(128, 4096 // block_h)), block_h
+
+
+def _pointers(stand_in: torch.Tensor, present: bool, *tensors: torch.Tensor | None,
+              ) -> tuple[torch.Tensor, ...]:
+    """``tensors`` where their gate is ``present``, else ``stand_in`` for each (a pointer
+    the kernel never reads: its gate's branch is compiled out)."""
+    return tuple(t if present else stand_in for t in tensors)
 
 
 class _LinearGates(torch.autograd.Function):
@@ -100,13 +110,11 @@ class _LinearGates(torch.autograd.Function):
         f32 = dict(dtype=torch.float32, device=x.device)
         g = None if a is None else empty(*x.shape, **f32)
         beta = None if b is None else empty(*x.shape, **f32)
-        stand_in = x  # for the pointers of an absent gate, never read
+        decay, write = a is not None, b is not None
         _gates_fwd[(triton.cdiv(n_rows, block_rows),)](
-            a if a is not None else stand_in, a_log if a is not None else stand_in,
-            dt_bias if a is not None else stand_in, b if b is not None else stand_in,
-            g if g is not None else stand_in, beta if beta is not None else stand_in,
-            n_rows, heads, DECAY=a is not None, WRITE=b is not None, BLOCK_ROWS=block_rows,
-            BLOCK_H=block_h)
+            *_pointers(x, decay, a, a_log, dt_bias), *_pointers(x, write, b),
+            *_pointers(x, decay, g), *_pointers(x, write, beta),
+            n_rows, heads, DECAY=decay, WRITE=write, BLOCK_ROWS=block_rows, BLOCK_H=block_h)
         ctx.save_for_backward(a, a_log, dt_bias, b)
         return g, beta
 
@@ -127,14 +135,12 @@ class _LinearGates(torch.autograd.Function):
         db = None if not write else empty(*b.shape, dtype=b.dtype, device=b.device)
         dparams = None if not decay else empty(programs, 2, heads, dtype=torch.float32,
                                                device=x.device)
-        stand_in = x
         _gates_bwd[(programs,)](
-            a if decay else stand_in, a_log if decay else stand_in,
-            dt_bias if decay else stand_in, b if write else stand_in,
-            dg.contiguous() if decay else stand_in, dbeta.contiguous() if write else stand_in,
-            da if decay else stand_in, db if write else stand_in,
-            dparams if decay else stand_in, n_rows, heads, DECAY=decay, WRITE=write,
-            BLOCK_ROWS=block_rows, BLOCK_H=block_h)
+            *_pointers(x, decay, a, a_log, dt_bias), *_pointers(x, write, b),
+            *_pointers(x, decay, dg if dg is None else dg.contiguous()),
+            *_pointers(x, write, dbeta if dbeta is None else dbeta.contiguous()),
+            *_pointers(x, decay, da), *_pointers(x, write, db), *_pointers(x, decay, dparams),
+            n_rows, heads, DECAY=decay, WRITE=write, BLOCK_ROWS=block_rows, BLOCK_H=block_h)
         if not decay:
             return None, None, None, db
         d_a_log, d_dt_bias = dparams.sum(0)
