@@ -26,6 +26,7 @@ import torch
 from ..reference.chunks import ROUTE_GRADS, RouteGrad
 from .gated_delta_rule_bwd import dqkwg, state_bwd, wy_bwd
 from .gated_delta_rule_fwd import output_fwd, state_fwd, wy_fwd
+from .segments import segments_of
 from .utils import ChunkMap, packed, routed_batch
 
 KERNEL_CHUNK = 64
@@ -48,36 +49,39 @@ class _HybridGatedDeltaRule(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                 beta: torch.Tensor, z: torch.Tensor, h0: torch.Tensor | None, cmap: ChunkMap,
-                chunk_size: int, scale: float, output_final_state: bool, all_dz: bool,
+                segmap: ChunkMap | None, chunk_size: int, scale: float,
+                output_final_state: bool, all_dz: bool,
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         bt = min(chunk_size, KERNEL_CHUNK)
         r = chunk_size // bt
         gc, a, w, u = wy_fwd(k, v, g, beta, cmap, bt, r)
-        h, v_new, ht = state_fwd(k, w, u, gc, z, h0, output_final_state, cmap, bt, r)
+        h, v_new, ht = state_fwd(k, w, u, gc, z, h0, output_final_state, cmap, bt, r, segmap)
         o = output_fwd(q, k, v_new, gc, h, scale, v.dtype, cmap, bt, r)
         ctx.save_for_backward(q, k, v, g, beta, z, h0, gc, a,
                               *((w, h, v_new) if SAVE_STATES else ()))
-        ctx.cmap, ctx.bt, ctx.r, ctx.scale, ctx.all_dz = cmap, bt, r, scale, all_dz
+        ctx.cmap, ctx.segmap, ctx.bt, ctx.r = cmap, segmap, bt, r
+        ctx.scale, ctx.all_dz = scale, all_dz
         return o, ht
 
     @staticmethod
     def backward(ctx, do: torch.Tensor, dht: torch.Tensor | None):
         q, k, v, g, beta, z, h0, gc, a, *states = ctx.saved_tensors
-        cmap, bt, r, scale = ctx.cmap, ctx.bt, ctx.r, ctx.scale
+        cmap, segmap, bt, r, scale = ctx.cmap, ctx.segmap, ctx.bt, ctx.r, ctx.scale
         do = do.contiguous()
         if states:
             w, h, v_new = states
         else:
             _, _, w, u = wy_fwd(k, v, g, beta, cmap, bt, r, saved=(gc, a))
-            h, v_new, _ = state_fwd(k, w, u, gc, z, h0, False, cmap, bt, r)
+            h, v_new, _ = state_fwd(k, w, u, gc, z, h0, False, cmap, bt, r, segmap)
         dh, dv_new, dz, dgs, dh0 = state_bwd(
             q, k, w, do, v_new, gc, z, h, None if dht is None else dht.contiguous(),
-            h0 is not None and ctx.needs_input_grad[6], ctx.all_dz, scale, cmap, bt, r)
+            h0 is not None and ctx.needs_input_grad[6], ctx.all_dz, scale, cmap, bt, r,
+            segmap)
         dq, dk_part, dw, dgc = dqkwg(q, k, v_new, do, dv_new, gc, h, dh, scale, cmap, bt, r)
         dk, dv, dbeta, dg = wy_bwd(k, v, g, beta, gc, a, dw, dv_new, dk_part, dgc, dgs,
                                    cmap, bt, r)
         dh0 = None if dh0 is None else dh0.to(h0.dtype)
-        return dq, dk, dv, dg, dbeta, dz.to(z.dtype), dh0, None, None, None, None, None
+        return dq, dk, dv, dg, dbeta, dz.to(z.dtype), dh0, None, None, None, None, None, None
 
 
 def hybrid_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -98,7 +102,8 @@ def hybrid_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                            cu_seqlens)
     o, final_state = _HybridGatedDeltaRule.apply(
         packed(q), packed(k), packed(v), packed(g), packed(beta), z,
-        None if initial_state is None else initial_state.contiguous(), cmap, chunk_size,
+        None if initial_state is None else initial_state.contiguous(), cmap,
+        segments_of(batch, seq_len, heads, d_v, chunk_size, q.device, cu_seqlens), chunk_size,
         d_k**-0.5 if scale is None else scale, output_final_state, route_grad == "both")
     return o.reshape(batch, seq_len, heads, d_v), final_state
 

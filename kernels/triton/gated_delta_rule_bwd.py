@@ -25,14 +25,18 @@ import triton.language as tl
 
 from .gated_delta_rule_fwd import (
     _configs,
+    carry_blocks,
+    carry_identity,
     causal_decay,
     dot_precision,
     load_rows,
     seq_configs,
     slot_bounds,
+    store_carry,
     store_rows,
 )
-from .utils import empty, is_power_of_two
+from .segments import carry_buffer, chain_ends, count
+from .utils import ChunkMap, empty, is_power_of_two
 
 HALF_GRADS = True
 """Keep the backward's intermediates (``M^T do``, ``d v_new``, partial ``dk``, ``dw``) in
@@ -91,20 +95,29 @@ def _state_bwd_kernel(q, k, w, do, v_new, dv_local, gc, z, h, dh, dv, dz, dgs, d
                       H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                       R: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr,
                       STORE_DH0: tl.constexpr, DZ_MIN: tl.constexpr, DELTA: tl.constexpr,
-                      PREC: tl.constexpr):
+                      CARRY: tl.constexpr, PREC: tl.constexpr):
     """``DELTA``: the delta rule (``dh`` loses ``w^T d v_new``); otherwise gated linear
-    attention, whose ``v_new`` are the values and which has no ``w``."""
+    attention, whose ``v_new`` are the values and which has no ``w``. ``CARRY``: the
+    carry pass of a segmented state pass (:func:`state_bwd`): nothing stored but the
+    gradient of the segment's start state ``dh0`` ``[n, H, K, V + K]``, of its outputs'
+    gradients from a zero end and of ``K`` identity columns (no ``do``, identity end)."""
     # Sequence x head on grid axis 0 with the value blocks: axis 1 stops at 65,535.
-    i_v, i_nh = tl.program_id(0) % tl.cdiv(V, BV), tl.program_id(0) // tl.cdiv(V, BV)
+    n_v = carry_blocks(K, V, BV, CARRY)
+    i_v, i_nh = tl.program_id(0) % n_v, tl.program_id(0) // n_v
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu + i_n).to(tl.int64), tl.load(cu + i_n + 1).to(tl.int64)
     c0, c1 = tl.load(chunk_offsets + i_n), tl.load(chunk_offsets + i_n + 1)
     o_i, o_k, o_v = tl.arange(0, BT), tl.arange(0, K), i_v * BV + tl.arange(0, BV)
     p_hv = o_k[:, None] * V + o_v[None, :]
     m_hv = o_v[None, :] < V
+    # False in the identity blocks of a carry pass; a row vector (the interpreter masks
+    # with no scalar and-ed into a vector).
+    has_do = i_v + 0 * o_i < tl.cdiv(V, BV)
     b_dh = tl.zeros([K, BV], dtype=tl.float32)
     if USE_DHT:
         b_dh += tl.load(dht + i_nh * K * V + p_hv, mask=m_hv, other=0).to(tl.float32)
+    if CARRY:
+        b_dh += carry_identity(o_k, o_v, V)
     if R == 1:
         # One slot per routing chunk, a flat loop (prefetchable loads). dS, the gradient of
         # the slot's end state: the running state gets z dS, the shadow (1 - z) dS, so
@@ -120,26 +133,27 @@ def _state_bwd_kernel(q, k, w, do, v_new, dv_local, gc, z, h, dh, dv, dz, dgs, d
             b_q = load_rows(q, o_t, m_t, i_h, H, K, o_k)
             if DELTA:
                 b_w = load_rows(w, o_t, m_t, i_h, H, K, o_k)
-            b_do = load_rows(do, o_t, m_t, i_h, H, V, o_v)
-            b_dv = load_rows(dv_local, o_t, m_t, i_h, H, V, o_v).to(tl.float32)
-            b_dhz = b_z * b_dh
-            tl.store(dh + (i_s * H + i_h).to(tl.int64) * K * V + p_hv,
-                     b_dhz.to(dh.dtype.element_ty), mask=m_hv)
+            b_do = load_rows(do, o_t, m_t & has_do, i_h, H, V, o_v)
+            b_dv = load_rows(dv_local, o_t, m_t & has_do, i_h, H, V, o_v).to(tl.float32)
+            if not CARRY:
+                tl.store(dh + (i_s * H + i_h).to(tl.int64) * K * V + p_hv,
+                         (b_z * b_dh).to(dh.dtype.element_ty), mask=m_hv)
             b_kd = (b_k * tl.exp(g_last - b_gc)[:, None]).to(b_k.dtype)
             # k exp(gL - gc) dS serves both d v_new (times z) and the route gradient.
             b_p = tl.dot(b_kd, b_dh.to(b_k.dtype), input_precision=PREC)
             b_dv += b_z * b_p
-            store_rows(dv, b_dv, o_t, m_t, i_h, H, V, o_v)
-            if b_z > DZ_MIN:  # the route gradient only where it is asked for
-                b_vn = load_rows(v_new, o_t, m_t, i_h, H, V, o_v).to(tl.float32)
-                tl.atomic_add(dz + i_s * H + i_h, tl.sum(tl.sum(b_p * b_vn, 1), 0),
-                              sem="relaxed")
-            if b_z < 1.0:
-                b_start = tl.load(h + (i_s * H + i_h).to(tl.int64) * K * V + p_hv, mask=m_hv,
-                                  other=0).to(tl.float32)
-                tl.atomic_add(dgs + i_s * H + i_h,
-                              (1.0 - b_z) * tl.exp(g_last) * tl.sum(b_dh * b_start),
-                              sem="relaxed")
+            if not CARRY:
+                store_rows(dv, b_dv, o_t, m_t, i_h, H, V, o_v)
+                if b_z > DZ_MIN:  # the route gradient only where it is asked for
+                    b_vn = load_rows(v_new, o_t, m_t, i_h, H, V, o_v).to(tl.float32)
+                    tl.atomic_add(dz + i_s * H + i_h, tl.sum(tl.sum(b_p * b_vn, 1), 0),
+                                  sem="relaxed")
+                if b_z < 1.0:
+                    b_start = tl.load(h + (i_s * H + i_h).to(tl.int64) * K * V + p_hv,
+                                      mask=m_hv, other=0).to(tl.float32)
+                    tl.atomic_add(dgs + i_s * H + i_h,
+                                  (1.0 - b_z) * tl.exp(g_last) * tl.sum(b_dh * b_start),
+                                  sem="relaxed")
             b_qd = (b_q * (tl.exp(b_gc) * scale)[:, None]).to(b_q.dtype)
             b_dh = b_dh * tl.exp(g_last) + tl.dot(tl.trans(b_qd), b_do, input_precision=PREC)
             if DELTA:
@@ -157,34 +171,41 @@ def _state_bwd_kernel(q, k, w, do, v_new, dv_local, gc, z, h, dh, dv, dz, dgs, d
                 j = n_j - 1 - jj
                 o_t = t_r + j * BT + o_i
                 m_t = o_t < eos
-                tl.store(dh + ((r * R + j) * H + i_h).to(tl.int64) * K * V + p_hv,
-                         b_dh.to(dh.dtype.element_ty), mask=m_hv)
+                if not CARRY:
+                    tl.store(dh + ((r * R + j) * H + i_h).to(tl.int64) * K * V + p_hv,
+                             b_dh.to(dh.dtype.element_ty), mask=m_hv)
                 b_gc = tl.load(gc + o_t * H + i_h, mask=m_t, other=0)
                 g_last = tl.load(gc + (tl.minimum(t_r + j * BT + BT, eos) - 1) * H + i_h)
                 b_k = load_rows(k, o_t, m_t, i_h, H, K, o_k)
                 b_kd = (b_k * tl.exp(g_last - b_gc)[:, None]).to(b_k.dtype)
-                b_dv = load_rows(dv_local, o_t, m_t, i_h, H, V, o_v) + tl.dot(
+                b_dv = load_rows(dv_local, o_t, m_t & has_do, i_h, H, V, o_v) + tl.dot(
                     b_kd, b_dh.to(b_k.dtype), input_precision=PREC)
-                store_rows(dv, b_dv, o_t, m_t, i_h, H, V, o_v)
-                if b_z > DZ_MIN:  # the route gradient only where it is asked for
-                    b_vn = load_rows(v_new, o_t, m_t, i_h, H, V, o_v).to(tl.float32)
-                    b_dz += tl.sum(tl.dot(b_kd, b_e.to(b_k.dtype), input_precision=PREC) * b_vn, 1)
+                if not CARRY:
+                    store_rows(dv, b_dv, o_t, m_t, i_h, H, V, o_v)
+                    if b_z > DZ_MIN:  # the route gradient only where it is asked for
+                        b_vn = load_rows(v_new, o_t, m_t, i_h, H, V, o_v).to(tl.float32)
+                        b_dz += tl.sum(tl.dot(b_kd, b_e.to(b_k.dtype), input_precision=PREC)
+                                       * b_vn, 1)
                 b_q = load_rows(q, o_t, m_t, i_h, H, K, o_k)
                 b_qd = (b_q * (tl.exp(b_gc) * scale)[:, None]).to(b_q.dtype)
-                b_do = load_rows(do, o_t, m_t, i_h, H, V, o_v)
+                b_do = load_rows(do, o_t, m_t & has_do, i_h, H, V, o_v)
                 b_dh = b_dh * tl.exp(g_last) + tl.dot(tl.trans(b_qd), b_do, input_precision=PREC)
                 if DELTA:
                     b_w = load_rows(w, o_t, m_t, i_h, H, K, o_k)
                     b_dh -= tl.dot(tl.trans(b_w), b_dv.to(b_w.dtype), input_precision=PREC)
                 b_e *= tl.exp(g_last)
-            tl.atomic_add(dz + r * H + i_h, tl.sum(b_dz, 0), sem="relaxed")
+            if not CARRY:
+                tl.atomic_add(dz + r * H + i_h, tl.sum(b_dz, 0), sem="relaxed")
             if b_z < 1.0:
-                b_start = tl.load(h + (r * R * H + i_h).to(tl.int64) * K * V + p_hv, mask=m_hv,
-                                  other=0).to(tl.float32)
-                tl.atomic_add(dgs + r * H + i_h, (1.0 - b_z) * tl.sum(b_e * b_start),
-                              sem="relaxed")
+                if not CARRY:
+                    b_start = tl.load(h + (r * R * H + i_h).to(tl.int64) * K * V + p_hv,
+                                      mask=m_hv, other=0).to(tl.float32)
+                    tl.atomic_add(dgs + r * H + i_h, (1.0 - b_z) * tl.sum(b_e * b_start),
+                                  sem="relaxed")
                 b_dh += (1.0 - b_z) * b_e
-    if STORE_DH0:
+    if CARRY:
+        store_carry(dh0, b_dh, i_nh, o_k, o_v, K, V)
+    elif STORE_DH0:
         tl.store(dh0 + i_nh * K * V + p_hv, b_dh, mask=m_hv)
 
 
@@ -339,11 +360,12 @@ def dv_local(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, gc: torch.Tenso
 def state_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor | None, do: torch.Tensor,
               v_new: torch.Tensor, gc: torch.Tensor, z: torch.Tensor,
               h: torch.Tensor, dht: torch.Tensor | None, need_dh0: bool, all_dz: bool,
-              scale: float, cmap, bt: int, r: int,
+              scale: float, cmap, bt: int, r: int, segmap: ChunkMap | None = None,
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                          torch.Tensor | None]:
     """``(dh, d v_new, d z, shadow gate gradient per routing chunk, d initial state)``;
-    ``w = None`` for gated linear attention (``v_new`` the values)."""
+    ``w = None`` for gated linear attention (``v_new`` the values). With ``segmap`` each
+    sequence runs as segments, as in the forward (:mod:`.segments`)."""
     _, _, heads, d_k = q.shape
     d_v = do.shape[-1]
     n_seq = cmap.cu_seqlens.numel() - 1
@@ -352,17 +374,40 @@ def state_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor | None, do: torc
     dv = empty(*do.shape, dtype=grad_dtype(do.dtype), device=q.device)
     dz = torch.zeros(z.shape, dtype=torch.float32, device=q.device)
     dgs = torch.zeros(z.shape, dtype=torch.float32, device=q.device)
-    dh0 = (empty(n_seq, heads, d_k, d_v, dtype=torch.float32, device=q.device)
-           if need_dh0 else None)
+    passes = dict(q=q, k=k, w=w, do=do, v_new=v_new, dvl=dvl, gc=gc, z=z, h=h, dh=dh, dv=dv,
+                  dz=dz, dgs=dgs, scale=scale, bt=bt, r=r, all_dz=all_dz)
+    if segmap is not None:
+        segments = count(segmap, n_seq)
+        carry = carry_buffer(n_seq * segments, heads, d_k, d_v, q.device)
+        _state_bwd(**passes, dht=None, dh0=carry, cmap=segmap, carry=True)
+        dht, cmap = chain_ends(carry, dht, segments, d_v), segmap
+    dh0 = (empty(cmap.cu_seqlens.numel() - 1, heads, d_k, d_v, dtype=torch.float32,
+                 device=q.device) if need_dh0 else None)
+    _state_bwd(**passes, dht=dht, dh0=dh0, cmap=cmap)
+    if dh0 is not None and segmap is not None:  # the first segment's start is the sequence's
+        dh0 = dh0[::segments].contiguous()
+    return dh, dv, dz, dgs, dh0
+
+
+def _state_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor | None, do: torch.Tensor,
+               v_new: torch.Tensor, dvl: torch.Tensor, gc: torch.Tensor, z: torch.Tensor,
+               h: torch.Tensor, dh: torch.Tensor, dv: torch.Tensor, dz: torch.Tensor,
+               dgs: torch.Tensor, dht: torch.Tensor | None, dh0: torch.Tensor | None,
+               scale: float, cmap, bt: int, r: int, all_dz: bool, carry: bool = False) -> None:
+    """One launch of the backward state kernel; with ``carry`` its carry pass, into
+    ``dh0``."""
+    _, _, heads, d_k = q.shape
+    d_v = do.shape[-1]
+    n_seq = cmap.cu_seqlens.numel() - 1
 
     def grid(meta: dict) -> tuple[int]:
-        return (triton.cdiv(d_v, meta["BV"]) * n_seq * heads,)
+        blocks = triton.cdiv(d_v, meta["BV"]) + (triton.cdiv(d_k, meta["BV"]) if carry else 0)
+        return (blocks * n_seq * heads,)
     _state_bwd_kernel[grid](q, k, w, do, v_new, dvl, gc, z, h, dh, dv, dz, dgs, dht, dh0,
                             scale, cmap.cu_seqlens, cmap.chunk_offsets,
                             H=heads, K=d_k, V=d_v, BT=bt, R=r, USE_DHT=dht is not None,
-                            STORE_DH0=need_dh0, DZ_MIN=-1.0 if all_dz else 0.5,
-                            DELTA=w is not None, PREC=dot_precision(q.dtype))
-    return dh, dv, dz, dgs, dh0
+                            STORE_DH0=dh0 is not None, DZ_MIN=-1.0 if all_dz else 0.5,
+                            DELTA=w is not None, CARRY=carry, PREC=dot_precision(q.dtype))
 
 
 def dqkwg(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, do: torch.Tensor,

@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import autotune_configs, empty
+from .segments import carry_buffer, chain_starts, count
+from .utils import ChunkMap, autotune_configs, empty
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -302,25 +303,66 @@ def _wu_kernel(k, v, beta, gc, a, w, u, cu, chunk_offsets, chunk_seq,
     store_rows(u, b_u, o_t, m_t, i_h, H, V, o_v)
 
 
+@triton.jit
+def carry_blocks(K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, CARRY: tl.constexpr):
+    """Value blocks of a state pass: those of ``V``, and in a carry pass ``K`` identity
+    columns after them (in blocks of their own, so no block holds both)."""
+    if CARRY:
+        return tl.cdiv(V, BV) + tl.cdiv(K, BV)
+    return tl.cdiv(V, BV)
+
+
+@triton.jit
+def carry_identity(o_k, o_v, V: tl.constexpr):
+    """The identity columns' start in a carry pass: column ``o_v`` of an identity block is
+    the unit vector of key row ``o_v - V_padded`` (blocks past ``V`` start at a multiple
+    of the block that is at least ``V``)."""
+    BV: tl.constexpr = o_v.shape[0]
+    first: tl.constexpr = (V + BV - 1) // BV * BV
+    return (o_k[:, None] == o_v[None, :] - first).to(tl.float32)
+
+
+@triton.jit
+def store_carry(out, b_h, i_nh, o_k, o_v, K: tl.constexpr, V: tl.constexpr):
+    """A carry pass's end state of block ``o_v`` into ``out`` ``[n, H, K, V + K]``: value
+    columns first, then the ``K`` identity columns (their linear map)."""
+    BV: tl.constexpr = o_v.shape[0]
+    first: tl.constexpr = (V + BV - 1) // BV * BV
+    col = tl.where(o_v < first, o_v, o_v - first + V)
+    ok = tl.where(o_v < first, o_v < V, o_v - first < K)
+    tl.store(out + i_nh * K * (V + K) + o_k[:, None] * (V + K) + col[None, :], b_h,
+             mask=ok[None, :])
+
+
 @triton.autotune(configs=seq_configs(3), key=["H", "K", "V", "BT", "R"])
 @triton.jit
 def _state_fwd_kernel(k, w, u, gc, z, h, v_new, h0, ht, cu, chunk_offsets,
                       H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                       R: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr,
-                      STORE_HT: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
+                      STORE_HT: tl.constexpr, DELTA: tl.constexpr, CARRY: tl.constexpr,
+                      PREC: tl.constexpr):
     """``DELTA``: the delta rule (``v_new = u - w h``, stored); otherwise ``u`` are the
-    values themselves and nothing is subtracted (gated linear attention)."""
+    values themselves and nothing is subtracted (gated linear attention). ``CARRY``: the
+    carry pass of a segmented state pass (:func:`state_fwd`): nothing stored but the
+    segment's end state ``ht`` ``[n, H, K, V + K]``, of its values from a zero start and
+    of ``K`` identity columns (value blocks past ``V``: no values, identity start)."""
     # Sequence x head on grid axis 0 with the value blocks: axis 1 stops at 65,535.
-    i_v, i_nh = tl.program_id(0) % tl.cdiv(V, BV), tl.program_id(0) // tl.cdiv(V, BV)
+    n_v = carry_blocks(K, V, BV, CARRY)
+    i_v, i_nh = tl.program_id(0) % n_v, tl.program_id(0) // n_v
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu + i_n).to(tl.int64), tl.load(cu + i_n + 1).to(tl.int64)
     c0, c1 = tl.load(chunk_offsets + i_n), tl.load(chunk_offsets + i_n + 1)
     o_i, o_k, o_v = tl.arange(0, BT), tl.arange(0, K), i_v * BV + tl.arange(0, BV)
     p_hv = o_k[:, None] * V + o_v[None, :]
     m_hv = o_v[None, :] < V
+    # False in the identity blocks of a carry pass; a row vector (the interpreter masks
+    # with no scalar and-ed into a vector).
+    has_u = i_v + 0 * o_i < tl.cdiv(V, BV)
     b_h = tl.zeros([K, BV], dtype=tl.float32)
     if USE_H0:
         b_h += tl.load(h0 + i_nh * K * V + p_hv, mask=m_hv, other=0).to(tl.float32)
+    if CARRY:
+        b_h += carry_identity(o_k, o_v, V)
     if R == 1:
         # One slot per routing chunk: S' = exp(gL) S + z (k exp(gL - gc))^T v_new. A flat
         # loop whose loads do not depend on the state, so the compiler can prefetch them.
@@ -330,15 +372,17 @@ def _state_fwd_kernel(k, w, u, gc, z, h, v_new, h0, ht, cu, chunk_offsets,
             b_z = tl.load(z + i_s * H + i_h).to(tl.float32)
             if DELTA:
                 b_w = load_rows(w, o_t, m_t, i_h, H, K, o_k)
-            b_u = load_rows(u, o_t, m_t, i_h, H, V, o_v).to(tl.float32)
+            b_u = load_rows(u, o_t, m_t & has_u, i_h, H, V, o_v).to(tl.float32)
             b_k = load_rows(k, o_t, m_t, i_h, H, K, o_k)
             b_gc = tl.load(gc + o_t * H + i_h, mask=m_t, other=0)
             g_last = tl.load(gc + (tl.minimum(bos + (i_s - c0) * BT + BT, eos) - 1) * H + i_h)
-            tl.store(h + (i_s * H + i_h).to(tl.int64) * K * V + p_hv,
-                     b_h.to(h.dtype.element_ty), mask=m_hv)
+            if not CARRY:
+                tl.store(h + (i_s * H + i_h).to(tl.int64) * K * V + p_hv,
+                         b_h.to(h.dtype.element_ty), mask=m_hv)
             if DELTA:
                 b_vn = b_u - tl.dot(b_w, b_h.to(b_w.dtype), input_precision=PREC)
-                store_rows(v_new, b_vn, o_t, m_t, i_h, H, V, o_v)
+                if not CARRY:
+                    store_rows(v_new, b_vn, o_t, m_t, i_h, H, V, o_v)
             else:
                 b_vn = b_u
             b_kd = (b_k * (tl.exp(g_last - b_gc) * b_z)[:, None]).to(b_k.dtype)
@@ -352,13 +396,15 @@ def _state_fwd_kernel(k, w, u, gc, z, h, v_new, h0, ht, cu, chunk_offsets,
             for j in range(tl.minimum(R, tl.cdiv(eos - t_r, BT))):
                 o_t = t_r + j * BT + o_i
                 m_t = o_t < eos
-                tl.store(h + ((r * R + j) * H + i_h).to(tl.int64) * K * V + p_hv,
-                         b_h.to(h.dtype.element_ty), mask=m_hv)
-                b_vn = load_rows(u, o_t, m_t, i_h, H, V, o_v).to(tl.float32)
+                if not CARRY:
+                    tl.store(h + ((r * R + j) * H + i_h).to(tl.int64) * K * V + p_hv,
+                             b_h.to(h.dtype.element_ty), mask=m_hv)
+                b_vn = load_rows(u, o_t, m_t & has_u, i_h, H, V, o_v).to(tl.float32)
                 if DELTA:
                     b_w = load_rows(w, o_t, m_t, i_h, H, K, o_k)
                     b_vn -= tl.dot(b_w, b_h.to(b_w.dtype), input_precision=PREC)
-                    store_rows(v_new, b_vn, o_t, m_t, i_h, H, V, o_v)
+                    if not CARRY:
+                        store_rows(v_new, b_vn, o_t, m_t, i_h, H, V, o_v)
                 b_gc = tl.load(gc + o_t * H + i_h, mask=m_t, other=0)
                 g_last = tl.load(gc + (tl.minimum(t_r + j * BT + BT, eos) - 1) * H + i_h)
                 b_k = load_rows(k, o_t, m_t, i_h, H, K, o_k)
@@ -367,7 +413,9 @@ def _state_fwd_kernel(k, w, u, gc, z, h, v_new, h0, ht, cu, chunk_offsets,
                                                       input_precision=PREC)
                 b_sh *= tl.exp(g_last)
             b_h = b_z * b_h + (1.0 - b_z) * b_sh
-    if STORE_HT:
+    if CARRY:
+        store_carry(ht, b_h, i_nh, o_k, o_v, K, V)
+    elif STORE_HT:
         tl.store(ht + i_nh * K * V + p_hv, b_h, mask=m_hv)
 
 
@@ -443,27 +491,47 @@ def wy_fwd(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
 
 def state_fwd(k: torch.Tensor, w: torch.Tensor | None, u: torch.Tensor, gc: torch.Tensor,
               z: torch.Tensor, h0: torch.Tensor | None, output_final_state: bool, cmap,
-              bt: int, r: int,
+              bt: int, r: int, segmap: ChunkMap | None = None,
               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(h, v_new, final_state)``: slot start states ``[slots, H, K, V]`` and the new values.
 
     With ``w = None`` the state takes the values ``u`` as they are (gated linear
-    attention: ``h' = exp(gL) h + (k exp(gL - gc))^T u``) and ``v_new`` is None."""
+    attention: ``h' = exp(gL) h + (k exp(gL - gc))^T u``) and ``v_new`` is None. With
+    ``segmap`` (:func:`.segments.segments_of`) each sequence runs as segments."""
     _, _, heads, d_k = k.shape
     d_v = u.shape[-1]
     n_seq = cmap.cu_seqlens.numel() - 1
     h = empty(cmap.chunk_seq.numel() * r, heads, d_k, d_v, dtype=k.dtype, device=k.device)
     v_new = None if w is None else empty(*u.shape, dtype=k.dtype, device=k.device)
-    ht = (empty(n_seq, heads, d_k, d_v, dtype=torch.float32, device=k.device)
-          if output_final_state else None)
+    if segmap is not None:
+        segments = count(segmap, n_seq)
+        carry = carry_buffer(n_seq * segments, heads, d_k, d_v, k.device)
+        _state_fwd(k, w, u, gc, z, h, v_new, None, carry, segmap, bt, r, carry=True)
+        h0, cmap = chain_starts(carry, h0, segments, d_v), segmap
+    ht = (empty(cmap.cu_seqlens.numel() - 1, heads, d_k, d_v, dtype=torch.float32,
+                device=k.device) if output_final_state else None)
+    _state_fwd(k, w, u, gc, z, h, v_new, h0, ht, cmap, bt, r)
+    if ht is not None and segmap is not None:  # the last segment's end is the sequence's
+        ht = ht[segments - 1::segments].contiguous()
+    return h, v_new, ht
+
+
+def _state_fwd(k: torch.Tensor, w: torch.Tensor | None, u: torch.Tensor, gc: torch.Tensor,
+               z: torch.Tensor, h: torch.Tensor, v_new: torch.Tensor | None,
+               h0: torch.Tensor | None, ht: torch.Tensor | None, cmap, bt: int, r: int,
+               carry: bool = False) -> None:
+    """One launch of the state kernel; with ``carry`` its carry pass, into ``ht``."""
+    _, _, heads, d_k = k.shape
+    d_v = u.shape[-1]
+    n_seq = cmap.cu_seqlens.numel() - 1
 
     def grid(meta: dict) -> tuple[int]:
-        return (triton.cdiv(d_v, meta["BV"]) * n_seq * heads,)
+        blocks = triton.cdiv(d_v, meta["BV"]) + (triton.cdiv(d_k, meta["BV"]) if carry else 0)
+        return (blocks * n_seq * heads,)
     _state_fwd_kernel[grid](k, w, u, gc, z, h, v_new, h0, ht, cmap.cu_seqlens,
                             cmap.chunk_offsets, H=heads, K=d_k, V=d_v, BT=bt, R=r,
-                            USE_H0=h0 is not None, STORE_HT=output_final_state,
-                            DELTA=w is not None, PREC=dot_precision(k.dtype))
-    return h, v_new, ht
+                            USE_H0=h0 is not None, STORE_HT=ht is not None,
+                            DELTA=w is not None, CARRY=carry, PREC=dot_precision(k.dtype))
 
 
 def output_fwd(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, gc: torch.Tensor,

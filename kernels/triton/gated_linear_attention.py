@@ -37,6 +37,7 @@ from . import gated_delta_rule
 from .gated_delta_rule import DTYPES, HEAD_DIMS, KERNEL_CHUNK
 from .gated_delta_rule_bwd import dqkwg, state_bwd
 from .gated_delta_rule_fwd import output_fwd, slot_bounds, state_fwd
+from .segments import segments_of
 from .utils import ChunkMap, empty, packed, routed_batch
 
 MAX_VALUE_DIM = 257
@@ -95,33 +96,37 @@ class _HybridGatedLinearAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                z: torch.Tensor, h0: torch.Tensor | None, cmap: ChunkMap, chunk_size: int,
-                scale: float, output_final_state: bool, all_dz: bool,
+                z: torch.Tensor, h0: torch.Tensor | None, cmap: ChunkMap,
+                segmap: ChunkMap | None, chunk_size: int, scale: float,
+                output_final_state: bool, all_dz: bool,
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         bt = min(chunk_size, KERNEL_CHUNK)
         r = chunk_size // bt
         gc = gate_cumsum(g, cmap, bt, r)
-        h, _, ht = state_fwd(k, None, v, gc, z, h0, output_final_state, cmap, bt, r)
+        h, _, ht = state_fwd(k, None, v, gc, z, h0, output_final_state, cmap, bt, r, segmap)
         o = output_fwd(q, k, v, gc, h, scale, v.dtype, cmap, bt, r)
         ctx.save_for_backward(q, k, v, g, z, h0, gc,
                               *((h,) if gated_delta_rule.SAVE_STATES else ()))
-        ctx.cmap, ctx.bt, ctx.r, ctx.scale, ctx.all_dz = cmap, bt, r, scale, all_dz
+        ctx.cmap, ctx.segmap, ctx.bt, ctx.r = cmap, segmap, bt, r
+        ctx.scale, ctx.all_dz = scale, all_dz
         return o, ht
 
     @staticmethod
     def backward(ctx, do: torch.Tensor, dht: torch.Tensor | None):
         q, k, v, g, z, h0, gc, *states = ctx.saved_tensors
-        cmap, bt, r, scale = ctx.cmap, ctx.bt, ctx.r, ctx.scale
+        cmap, segmap, bt, r, scale = ctx.cmap, ctx.segmap, ctx.bt, ctx.r, ctx.scale
         do = do.contiguous()
-        h = states[0] if states else state_fwd(k, None, v, gc, z, h0, False, cmap, bt, r)[0]
+        h = (states[0] if states
+             else state_fwd(k, None, v, gc, z, h0, False, cmap, bt, r, segmap)[0])
         dh, dv, dz, dgs, dh0 = state_bwd(
             q, k, None, do, v, gc, z, h, None if dht is None else dht.contiguous(),
-            h0 is not None and ctx.needs_input_grad[5], ctx.all_dz, scale, cmap, bt, r)
+            h0 is not None and ctx.needs_input_grad[5], ctx.all_dz, scale, cmap, bt, r,
+            segmap)
         dq, dk, _, dgc = dqkwg(q, k, v, do, None, gc, h, dh, scale, cmap, bt, r)
         dg = gate_grad(dgc, dgs, g.dtype, cmap, bt, r) if ctx.needs_input_grad[3] else None
         dh0 = None if dh0 is None else dh0.to(h0.dtype)
         return (dq, dk.to(k.dtype), dv.to(v.dtype), dg, dz.to(z.dtype), dh0,
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def hybrid_gated_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -144,7 +149,8 @@ def hybrid_gated_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                            cu_seqlens)
     o, final_state = _HybridGatedLinearAttention.apply(
         packed(q), packed(k), packed(v), packed(g), z,
-        None if initial_state is None else initial_state.contiguous(), cmap, chunk_size,
+        None if initial_state is None else initial_state.contiguous(), cmap,
+        segments_of(batch, seq_len, heads, d_v, chunk_size, q.device, cu_seqlens), chunk_size,
         d_k**-0.5 if scale is None else scale, output_final_state, route_grad == "both")
     return o.reshape(batch, seq_len, heads, d_v), final_state
 

@@ -67,12 +67,24 @@ def chunk_map(batch: int, seq_len: int, n_chunks: int, chunk_size: int, device: 
     return ChunkMap(cu, offsets, seq.clamp_(max=len(cu) - 2).to(torch.int32))
 
 
-_DENSE_MAPS: dict[tuple[int, int, int, torch.device], ChunkMap] = {}
+_DENSE_MAPS: dict[tuple[int, int, int, torch.device, int, int], ChunkMap] = {}
 
 
-def _dense_chunk_map(batch: int, seq_len: int, n_chunks: int, device: torch.device) -> ChunkMap:
-    """A dense batch's map depends on its shape only: built once (five small launches that
-    every call of both branches paid before), read-only afterwards.
+def segment_map(batch: int, seq_len: int, n_chunks: int, chunk_size: int, segments: int,
+                device: torch.device) -> ChunkMap:
+    """The map of a dense batch's sequences cut into ``segments`` pieces each, of equal
+    numbers of routing chunks but the last (shorter or empty): the sequences of a
+    segmented state pass (:mod:`.segments`). Chunks keep their global numbers, so routes
+    and per-slot tensors index the same in either map."""
+    return _dense_chunk_map(batch, seq_len, n_chunks, torch.device(device), segments,
+                            chunk_size)
+
+
+def _dense_chunk_map(batch: int, seq_len: int, n_chunks: int, device: torch.device,
+                     segments: int = 1, chunk_size: int = 1) -> ChunkMap:
+    """A dense batch's map (of its sequences cut into ``segments``, :func:`segment_map`)
+    depends on its shape only: built once (five small launches that every call of both
+    branches paid before), read-only afterwards.
 
     The two branches of a layer run on two CUDA streams and share the map, so a new one is
     waited for (one device synchronisation per new shape) before any stream may read it;
@@ -81,14 +93,20 @@ def _dense_chunk_map(batch: int, seq_len: int, n_chunks: int, device: torch.devi
     a kernel on the other stream still reads). Built outside inference mode, so that
     training may save the tensors for backward after a generation made them.
     """
-    key = (batch, seq_len, n_chunks, device)
+    key = (batch, seq_len, n_chunks, device, segments, chunk_size)
     if key in _DENSE_MAPS:
         return _DENSE_MAPS[key]
     i32 = dict(dtype=torch.int32, device=device)
     with torch.inference_mode(False), torch.no_grad():
         per_seq = n_chunks // batch
-        steps = torch.arange(batch + 1, **i32)
-        cmap = ChunkMap(steps * seq_len, steps * per_seq, torch.arange(n_chunks, **i32) // per_seq)
+        per_segment = -(-per_seq // segments)  # routing chunks
+        steps = torch.arange(batch * segments + 1, **i32)
+        seq, part = steps // segments, steps % segments
+        chunk = torch.arange(n_chunks, **i32)
+        cmap = ChunkMap(
+            seq * seq_len + (part * per_segment * chunk_size).clamp_(max=seq_len),
+            seq * per_seq + (part * per_segment).clamp_(max=per_seq),
+            chunk // per_seq * segments + chunk % per_seq // per_segment)
     if device.type == "cuda":
         if torch.cuda.is_current_stream_capturing():
             return cmap

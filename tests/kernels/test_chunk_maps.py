@@ -3,12 +3,14 @@ against obvious Python constructions of the same tables."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 from nats.kernels import SOFTMAX
 from nats.kernels.triton.softmax_attention import softmax_chunk_list
-from nats.kernels.triton.utils import chunk_map
+from nats.kernels.triton.utils import chunk_map, segment_map
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -35,6 +37,24 @@ def test_softmax_chunk_list_matches_a_python_walk(n_chunks: int) -> None:
         for c in range(n_chunks):
             running.append(running[-1] + int(is_sm[c, h]))
         assert before[:, h].tolist() == running
+
+
+@pytest.mark.parametrize(("seq_len", "chunk", "segments"), [(130, 16, 4), (128, 16, 2),
+                                                          (40, 16, 3), (64, 64, 2)])
+def test_segment_map_is_the_packed_map_of_the_segments(seq_len: int, chunk: int,
+                                                       segments: int) -> None:
+    """Each sequence cut into segments of equal whole chunks (the last shorter, possibly
+    empty) is the packed batch of those pieces: the varlen map of their lengths."""
+    batch = 3
+    per_seq = -(-seq_len // chunk)
+    per_segment = -(-per_seq // segments)
+    bounds = [min(j * per_segment * chunk, seq_len) for j in range(segments)] + [seq_len]
+    lengths = [b - a for a, b in itertools.pairwise(bounds)] * batch
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE)
+    want = chunk_map(1, batch * seq_len, batch * per_seq, chunk, torch.device(DEVICE), cu)
+    got = segment_map(batch, seq_len, batch * per_seq, chunk, segments, torch.device(DEVICE))
+    for name, g, w in zip(want._fields, got, want, strict=True):
+        assert g.tolist() == w.tolist(), name
 
 
 def test_dense_chunk_map_made_during_inference_serves_training() -> None:

@@ -15,6 +15,7 @@ from nats.kernels import LINEAR, SOFTMAX, hybrid_gated_delta_rule, num_chunks
 from nats.kernels import reference as ref
 from nats.kernels.triton import gated_delta_rule_bwd as gdr_bwd
 from nats.kernels.triton import gated_delta_rule_fwd as gdr_fwd
+from nats.kernels.triton import segments as segments_mod
 from nats.kernels.triton.gated_delta_rule import hybrid_gated_delta_rule as triton_gdr
 
 from .inputs import CUDA, DEVICE, check, gdr_inputs, make_routes, routes_with_softmax_fraction
@@ -105,6 +106,35 @@ def test_split_key_blocks_interpreted(monkeypatch: pytest.MonkeyPatch, seq_len: 
     x = gdr_inputs(1, seq_len, 2, 32, 16, dtype=torch.float32, seed=3)
     routes = make_routes(1, seq_len, chunk, 2, "random", dtype=torch.float32, seed=4)
     compare(x, routes, chunk, dtype, "both", True, True, 5e-3, 8e-3)
+
+
+SEGMENT_CASES = [
+    # batch, T, Dk, Dv, chunk, routes, dtype, route_grad, segments
+    (2, 150, 16, 16, 16, "random", torch.float32, "both", 3),  # 10 chunks: 4 + 4 + 2
+    (1, 70, 32, 32, 16, "linear", torch.float16, "selected", 4),  # 5: 2 + 2 + 1 + none
+    (2, 45, 16, 64, 16, "random", torch.float32, "selected", 2),  # two value blocks
+    (1, 300, 16, 16, 128, "random", torch.float32, "both", 2),  # two slots a chunk
+    (1, 300, 32, 16, 128, "softmax", torch.float16, "both", 3),
+]
+
+
+@pytest.mark.skipif(CUDA, reason="interpreter shapes; the GPU runs the bf16 tests")
+@pytest.mark.parametrize(("batch", "seq_len", "d_k", "d_v", "chunk", "kind", "dtype",
+                          "route_grad", "segments"), SEGMENT_CASES)
+def test_segmented_state_passes_match_reference_interpreted(
+        monkeypatch: pytest.MonkeyPatch, segmented_passes: list[str], batch: int,
+        seq_len: int, d_k: int, d_v: int, chunk: int, kind: str, dtype: torch.dtype,
+        route_grad: str, segments: int) -> None:
+    """Sequences cut into segments (the carry passes, chained): the same outputs, final
+    state and gradients as the reference, initial state included."""
+    monkeypatch.setattr(segments_mod, "STATE_SEGMENTS", segments)
+    x = gdr_inputs(batch, seq_len, 2, d_k, d_v, dtype=torch.float32, seed=segments)
+    # Weak decay and small writes, so a segment's start state still matters at its end.
+    x["g"] = x["g"] / 20
+    x["beta"] = x["beta"] / 5
+    routes = make_routes(batch, seq_len, chunk, 2, kind, dtype=torch.float32, seed=seq_len)
+    compare(x, routes, chunk, dtype, route_grad, True, True, 5e-3, 8e-3)
+    assert segmented_passes == ["starts", "ends"]
 
 
 @pytest.mark.skipif(CUDA, reason="interpreter shapes; the GPU runs the bf16 tests")
@@ -240,6 +270,18 @@ def test_more_slots_and_sequences_than_a_grid_axis_holds_on_gpu() -> None:
     x = gdr_inputs(batch, seq_len, heads, d, d, dtype=torch.float32, seed=13)
     routes = routes_with_softmax_fraction(batch, num_chunks(seq_len, chunk), heads, 0.25)
     compare(x, routes, chunk, torch.bfloat16, "both", True, True, 1e-2, 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("batch", "seq_len", "heads"), [(1, 16_384, 6), (2, 8192, 2)])
+def test_bf16_long_sequences_run_segmented_on_gpu(segmented_passes: list[str], batch: int,
+                                                   seq_len: int, heads: int) -> None:
+    """Few long sequences (the shapes of a 16k training step and a prefill): the state
+    passes choose segments by themselves and match the reference."""
+    x = gdr_inputs(batch, seq_len, heads, 128, 128, dtype=torch.float32, seed=heads)
+    routes = routes_with_softmax_fraction(batch, num_chunks(seq_len, 64), heads, 0.25)
+    compare(x, routes, 64, torch.bfloat16, "both", True, True, 1e-2, 1e-2)
+    assert segmented_passes == ["starts", "ends"]
 
 
 @pytest.mark.gpu

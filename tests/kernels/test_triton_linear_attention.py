@@ -20,6 +20,7 @@ from nats.kernels import (
     hybrid_linear_attention,
     num_chunks,
 )
+from nats.kernels.triton import segments as segments_mod
 from nats.kernels.triton.gated_linear_attention import (
     hybrid_gated_linear_attention as triton_gla,
 )
@@ -116,6 +117,24 @@ def test_matches_reference_interpreted(op: str, batch: int, seq_len: int, d_k: i
     x = inputs(op, batch, seq_len, 2, d_k, d_v, seed=chunk)
     routes = make_routes(batch, seq_len, chunk, 2, kind, dtype=torch.float32, seed=seq_len)
     compare(op, x, routes, chunk, dtype, route_grad, use_h0, final, 5e-3, 8e-3)
+
+
+@pytest.mark.skipif(CUDA, reason="interpreter shapes; the GPU runs the bf16 tests")
+@pytest.mark.parametrize(("op", "seq_len", "d_v", "chunk", "segments"), [
+    ("gla", 150, 16, 16, 3),
+    ("la", 150, 16, 128, 2),  # Dv + 1 = 17 value columns: a partial block
+])
+def test_segmented_state_passes_match_reference_interpreted(
+        monkeypatch: pytest.MonkeyPatch, segmented_passes: list[str], op: str, seq_len: int,
+        d_v: int, chunk: int, segments: int) -> None:
+    """The same state kernels cut into segments (:mod:`nats.kernels.triton.segments`)."""
+    monkeypatch.setattr(segments_mod, "STATE_SEGMENTS", segments)
+    x = inputs(op, 2, seq_len, 2, 16, d_v, seed=segments)
+    if "g" in x:  # weak decay, so a segment's start state still matters at its end
+        x["g"] = x["g"] / 20
+    routes = make_routes(2, seq_len, chunk, 2, "random", dtype=torch.float32, seed=seq_len)
+    compare(op, x, routes, chunk, torch.float32, "both", True, True, 5e-3, 8e-3)
+    assert segmented_passes == ["starts", "ends"]
 
 
 @pytest.mark.skipif(CUDA, reason="interpreter shapes; the GPU runs the bf16 tests")

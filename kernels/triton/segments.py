@@ -1,0 +1,123 @@
+"""Segmented state passes: a long sequence's serial state pass cut into parallel pieces.
+
+The state kernels walk a sequence's chunks one after another, one program per (sequence,
+head, value block): a batch of one long sequence runs a few dozen programs on a GPU of
+over a hundred SMs, each waiting on its own chain of products. Every step of that chain is
+affine in the state (``S' = A S + b``, ``A = exp(gL) (I - z k~^T w)``), so a sequence cut
+into ``n`` segments can run as ``n`` sequences:
+
+1. a *carry pass* (the state kernel with ``CARRY``) runs every segment from a zero state
+   and, in ``K`` extra identity columns with no values, from the identity: its end state
+   ``[c | P]`` is the segment's map ``S_end = P S_start + c``;
+2. :func:`chain_starts` (here, ``n - 1`` small products in PyTorch) chains the maps into
+   each segment's true start state;
+3. the ordinary state pass runs every segment from its start state.
+
+The backward does the same in reverse with ``dS_start = P' dS_end + c'``
+(:func:`chain_ends`). It costs a carry pass (``V + K`` columns) more work and buys
+``n``-fold parallelism; worth it only where programs are few (:func:`state_segments`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from .utils import ChunkMap, segment_map
+
+STATE_SEGMENTS: int | None = None
+"""Segments per sequence of every dense batch's state passes; None chooses per shape
+(:func:`state_segments`). Tests set it to run segmented passes on the CPU."""
+
+STATE_BLOCK_V = 32
+"""Value columns per state-pass program (``seq_configs``' one ``BV``)."""
+
+MIN_SEGMENT_CHUNKS = 32
+"""Routing chunks a segment needs before cutting pays for the carry pass."""
+
+SEGMENT_CHOICES = (8, 4)
+"""Segment counts tried, most first. Measured on an H200 (docs/BENCHMARKS.md): two gained
+nothing, more than the SMs' worth of programs lost again."""
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def state_segments(batch: int, n_chunks: int, heads: int, d_v: int,
+                   device: torch.device) -> int:
+    """Segments per sequence for the state passes of a dense batch of ``batch`` sequences
+    of ``n_chunks`` routing chunks each: the most of :data:`SEGMENT_CHOICES` that keep
+    one program per SM or fewer and :data:`MIN_SEGMENT_CHUNKS` per segment, else 1."""
+    if STATE_SEGMENTS is not None:
+        return STATE_SEGMENTS
+    if device.type != "cuda":
+        return 1
+    programs = batch * heads * triton.cdiv(d_v, STATE_BLOCK_V)
+    for n in SEGMENT_CHOICES:
+        if programs * n <= _multiprocessors(device) and n_chunks >= n * MIN_SEGMENT_CHUNKS:
+            return n
+    return 1
+
+
+def segments_of(batch: int, seq_len: int, heads: int, d_v: int, chunk_size: int,
+                device: torch.device, cu_seqlens: torch.Tensor | None) -> ChunkMap | None:
+    """The map the state passes of this batch run on when cut (:func:`state_segments`),
+    None when they are not. Packed sequences are not cut: their lengths are on the
+    device."""
+    if cu_seqlens is not None:
+        return None
+    n_chunks = -(-seq_len // chunk_size)
+    segments = state_segments(batch, n_chunks, heads, d_v, device)
+    if segments == 1:
+        return None
+    return segment_map(batch, seq_len, batch * n_chunks, chunk_size, segments, device)
+
+
+def count(segmap: ChunkMap, n_seq: int) -> int:
+    """Segments per sequence of a segment map over ``n_seq`` sequences."""
+    return (segmap.cu_seqlens.numel() - 1) // n_seq
+
+
+def carry_buffer(n_seq: int, heads: int, d_k: int, d_v: int,
+                 device: torch.device) -> torch.Tensor:
+    """What a carry pass writes: ``[c | P]`` per segment and head (float32)."""
+    return torch.empty(n_seq, heads, d_k, d_v + d_k, dtype=torch.float32, device=device)
+
+
+def _maps(carry: torch.Tensor, segments: int, d_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(c, P)`` of every segment as ``[B, segments, H, K, *]``."""
+    n, heads, d_k, _ = carry.shape
+    c = carry.view(n // segments, segments, heads, d_k, d_v + d_k)
+    return c[..., :d_v], c[..., d_v:]
+
+
+def chain_starts(carry: torch.Tensor, h0: torch.Tensor | None, segments: int,
+                 d_v: int) -> torch.Tensor:
+    """Each segment's start state ``[B * segments, H, K, V]`` from the carry pass's maps and
+    the sequences' initial states ``h0`` ``[B, H, K, V]`` (None: zero)."""
+    c, p = _maps(carry, segments, d_v)
+    starts = torch.empty(*c.shape, dtype=torch.float32, device=carry.device)
+    state = (torch.zeros_like(starts[:, 0]) if h0 is None else h0.float())
+    starts[:, 0] = state
+    for j in range(1, segments):
+        state = torch.matmul(p[:, j - 1], state).add_(c[:, j - 1])
+        starts[:, j] = state
+    return starts.view(-1, *starts.shape[2:])
+
+
+def chain_ends(carry: torch.Tensor, dht: torch.Tensor | None, segments: int,
+               d_v: int) -> torch.Tensor:
+    """Each segment's end-state gradient ``[B * segments, H, K, V]`` from the backward
+    carry pass's maps and the sequences' final-state gradients ``dht`` (None: zero)."""
+    c, p = _maps(carry, segments, d_v)
+    ends = torch.empty(*c.shape, dtype=torch.float32, device=carry.device)
+    grad = (torch.zeros_like(ends[:, 0]) if dht is None else dht.float())
+    ends[:, segments - 1] = grad
+    for j in range(segments - 2, -1, -1):
+        grad = torch.matmul(p[:, j + 1], grad).add_(c[:, j + 1])
+        ends[:, j] = grad
+    return ends.view(-1, *ends.shape[2:])
