@@ -83,8 +83,8 @@ def segment_map(batch: int, seq_len: int, n_chunks: int, chunk_size: int, segmen
 def _dense_chunk_map(batch: int, seq_len: int, n_chunks: int, device: torch.device,
                      segments: int = 1, chunk_size: int = 1) -> ChunkMap:
     """A dense batch's map (of its sequences cut into ``segments``, :func:`segment_map`)
-    depends on its shape only: built once (five small launches that every call of both
-    branches paid before), read-only afterwards.
+    depends on its shape only: built once (a dozen small launches that every call of both
+    branches would pay otherwise), read-only afterwards.
 
     The two branches of a layer run on two CUDA streams and share the map, so a new one is
     waited for (one device synchronisation per new shape) before any stream may read it;
