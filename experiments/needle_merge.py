@@ -130,7 +130,8 @@ def _own_projection_layer(with_v: bool, added: bool = False) -> dict[str, Callab
             return heads(self, tuple(a + b for a, b in own), start)
         return heads(self, self.own_qk if with_v else (*self.own_qk, qkv[2]), start)
 
-    return {"__init__": own_init, "forward": own_forward, "_softmax_heads": own_heads}
+    return {"__init__": own_init, "forward": own_forward, "_softmax_heads": own_heads,
+            "_shares_qk_norms": lambda self: False}
 
 
 ROWS = ("softmax", "forced", "direct", "normed", "half", "detach", "routed", "routed-detach",
@@ -164,7 +165,8 @@ def _row_patches(row: str, steps: int) -> Iterator[None]:
     original_hook = loop.set_exploration
     cls = nats_attention.NatsAttention
     original_methods = {name: getattr(cls, name) for name in ("__init__", "forward",
-                                                              "_softmax_heads")}
+                                                              "_softmax_heads",
+                                                              "_shares_qk_norms")}
     if "own-qk" in row or "plus-qkv" in row:
         for name, method in _own_projection_layer("qkv" in row, "plus" in row).items():
             setattr(cls, name, method)

@@ -15,7 +15,10 @@ from .ops import (
     l2_norm,
     linear_gates,
     merge_branches,
+    moments_accumulate,
+    moments_commit,
     resolve_backend,
+    rms_and_l2_norm,
     rms_norm,
     short_conv,
 )
@@ -63,8 +66,11 @@ __all__ = [
     "linear_attention_recurrent",
     "linear_gates",
     "merge_branches",
+    "moments_accumulate",
+    "moments_commit",
     "num_chunks",
     "resolve_backend",
+    "rms_and_l2_norm",
     "rms_norm",
     "short_conv",
 ]

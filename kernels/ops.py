@@ -99,9 +99,9 @@ def hybrid_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _fused(backend: Backend, x: torch.Tensor, name: str) -> ModuleType:
-    """The module ``name`` (``norms``, ``short_conv``) that runs on ``x``: its Triton
-    kernels, but the plain form for float64 (exact tests) and under ``torch.compile``,
-    which fuses the plain form with its neighbours instead."""
+    """The module ``name`` (``norms``, ``short_conv``, ``moments``) that runs on ``x``: its
+    Triton kernels, but the plain form for float64 (exact tests) and under
+    ``torch.compile``, which fuses the plain form with its neighbours instead."""
     if (resolve_backend(backend, x) == "triton" and x.dtype != torch.float64
             and not torch.compiler.is_compiling()):
         # imported lazily: Triton is optional on the CPU path
@@ -118,6 +118,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
 def l2_norm(x: torch.Tensor, eps: float = 1e-6, *, backend: Backend = "auto") -> torch.Tensor:
     """L2 normalisation of the last dimension; see :func:`reference.norms.l2_norm`."""
     return _fused(backend, x, "norms").l2_norm(x, eps)
+
+
+def rms_and_l2_norm(x: torch.Tensor, weight: torch.Tensor, parts: int, rms_eps: float,
+                    l2_eps: float, *, backend: Backend = "auto",
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax heads' RMS norm and the linear heads' L2 norm of one shared q or k
+    ``[..., H, D]``, from one read of it; see :func:`reference.norms.rms_and_l2_norm`."""
+    if x.shape[-1] % parts or weight.shape != (x.shape[-1] // parts,):
+        raise ValueError(f"rms_and_l2_norm needs heads of D = {x.shape[-1]} in {parts} equal "
+                         f"parts and a weight of D / parts, got {list(weight.shape)}")
+    return _fused(backend, x, "norms").rms_and_l2_norm(x, weight, parts, rms_eps, l2_eps)
 
 
 def merge_branches(a: torch.Tensor, b: torch.Tensor, weights: torch.Tensor,
@@ -153,6 +164,22 @@ def linear_gates(a: torch.Tensor | None, a_log: torch.Tensor | None,
                               and a_log.shape == dt_bias.shape == (heads,)):
         raise ValueError(f"linear_gates needs a_log and dt_bias of shape [{heads}] with a")
     return _fused(backend, x, "gates").linear_gates(a, a_log, dt_bias, b)
+
+
+def moments_accumulate(x: torch.Tensor, pending: torch.Tensor, *,
+                       backend: Backend = "auto") -> None:
+    """Add the rows of ``x`` ``[..., C]`` to running-moment sums ``pending`` ``[1 + 2C]``
+    (float64, in place); see :func:`reference.moments.moments_accumulate`."""
+    _fused(backend, x, "moments").moments_accumulate(x, pending)
+
+
+def moments_commit(sums: torch.Tensor, pending: torch.Tensor, running_mean: torch.Tensor,
+                   running_var: torch.Tensor, commits: torch.Tensor | None, momentum: float,
+                   *, backend: Backend = "auto") -> None:
+    """Fold running-moment sums into the running mean and variance and zero ``pending``;
+    see :func:`reference.moments.moments_commit`."""
+    _fused(backend, running_mean, "moments").moments_commit(
+        sums, pending, running_mean, running_var, commits, momentum)
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, *,

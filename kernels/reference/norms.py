@@ -29,6 +29,16 @@ def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def rms_and_l2_norm(x: torch.Tensor, weight: torch.Tensor, parts: int, rms_eps: float,
+                    l2_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two norms a NAtS-L layer takes of one shared q or k ``[..., H, D]``: the RMS norm
+    (times ``weight`` ``[D / parts]``) of each of its ``parts`` sub-heads, as ``[..., H *
+    parts, D / parts]`` (the softmax heads), and the L2 norm of each head (the linear
+    heads)."""
+    sub = x.reshape(*x.shape[:-2], x.shape[-2] * parts, x.shape[-1] // parts)
+    return rms_norm(sub, weight, rms_eps), l2_norm(x, l2_eps)
+
+
 def merge_branches(a: torch.Tensor, b: torch.Tensor, weights: torch.Tensor,
                    gamma: torch.Tensor, eps: float, norm_a: bool, norm_b: bool,
                    out_dtype: torch.dtype, gamma_b: torch.Tensor | None = None,

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import empty
+from .utils import empty, is_power_of_two
 
 
 @triton.jit
@@ -128,6 +128,114 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None,
 def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """See :func:`nats.kernels.reference.norms.l2_norm`."""
     return _RowNorm.apply(x, None, eps, 1.0)
+
+
+@triton.jit
+def _rms_l2_fwd(x_ptr, w_ptr, y_rms_ptr, y_l2_ptr, r_rms_ptr, r_l2_ptr, n_rows, inner,
+                stride_outer, stride_inner, rms_eps, l2_eps, D: tl.constexpr, R: tl.constexpr,
+                BLOCK_ROWS: tl.constexpr):
+    # A row is one head of D; its R sub-rows of D / R are the softmax heads.
+    DS: tl.constexpr = D // R
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, D)
+    row_ok = rows < n_rows
+    mask = row_ok[:, None] & (cols[None, :] < D)
+    src = (rows // inner).to(tl.int64) * stride_outer + (rows % inner).to(tl.int64) * stride_inner
+    x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    r_l2 = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) + l2_eps)
+    xs = tl.reshape(x, [BLOCK_ROWS, R, DS])
+    r_rms = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=2) / DS + rms_eps)
+    w = tl.load(w_ptr + tl.arange(0, DS)).to(tl.float32)
+    y_rms = tl.reshape(xs * r_rms[:, :, None] * w[None, None, :], [BLOCK_ROWS, D])
+    dst = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    tl.store(y_rms_ptr + dst, y_rms.to(y_rms_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_l2_ptr + dst, (x * r_l2[:, None]).to(y_l2_ptr.dtype.element_ty), mask=mask)
+    parts = rows.to(tl.int64)[:, None] * R + tl.arange(0, R)[None, :]
+    tl.store(r_rms_ptr + parts, r_rms, mask=row_ok[:, None])
+    tl.store(r_l2_ptr + rows, r_l2, mask=row_ok)
+
+
+@triton.jit
+def _rms_l2_bwd(x_ptr, w_ptr, r_rms_ptr, r_l2_ptr, dy_rms_ptr, dy_l2_ptr, dx_ptr, dw_ptr,
+                n_rows, inner, stride_outer, stride_inner, D: tl.constexpr, R: tl.constexpr,
+                BLOCK_ROWS: tl.constexpr):
+    # Each norm's gradient as in _row_norm_bwd (the L2 norm's divisor is 1), summed into
+    # one dx; dw per program, summed over its rows and sub-rows.
+    DS: tl.constexpr = D // R
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, D)
+    row_ok = rows < n_rows
+    mask = row_ok[:, None] & (cols[None, :] < D)
+    src = (rows // inner).to(tl.int64) * stride_outer + (rows % inner).to(tl.int64) * stride_inner
+    x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dense = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    r_l2 = tl.load(r_l2_ptr + rows, mask=row_ok, other=0.0)
+    dy = tl.load(dy_l2_ptr + dense, mask=mask, other=0.0).to(tl.float32)
+    xh = x * r_l2[:, None]
+    dx = r_l2[:, None] * (dy - xh * tl.sum(dy * xh, axis=1)[:, None])
+    parts = rows.to(tl.int64)[:, None] * R + tl.arange(0, R)[None, :]
+    r_rms = tl.load(r_rms_ptr + parts, mask=row_ok[:, None], other=0.0)
+    w = tl.load(w_ptr + tl.arange(0, DS)).to(tl.float32)
+    dys = tl.reshape(tl.load(dy_rms_ptr + dense, mask=mask, other=0.0).to(tl.float32),
+                     [BLOCK_ROWS, R, DS])
+    xhs = tl.reshape(x, [BLOCK_ROWS, R, DS]) * r_rms[:, :, None]
+    g = dys * w[None, None, :]
+    dxs = r_rms[:, :, None] * (g - xhs * (tl.sum(g * xhs, axis=2) / DS)[:, :, None])
+    dx += tl.reshape(dxs, [BLOCK_ROWS, D])
+    tl.store(dx_ptr + dense, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dw_ptr + pid * DS + tl.arange(0, DS), tl.sum(tl.sum(dys * xhs, axis=1), axis=0))
+
+
+class _RmsL2Norm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, parts: int, rms_eps: float,
+                l2_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = x.shape
+        x, inner, s_outer, s_inner = _rows(x)
+        dim = x.shape[-1]
+        n_rows = x.numel() // dim
+        block_rows, _ = _launch_shape(dim)
+        y_rms = empty(*shape[:-2], shape[-2] * parts, dim // parts, dtype=x.dtype,
+                      device=x.device)
+        y_l2 = empty(*shape, dtype=x.dtype, device=x.device)
+        r_rms = empty(n_rows, parts, dtype=torch.float32, device=x.device)
+        r_l2 = empty(n_rows, dtype=torch.float32, device=x.device)
+        _rms_l2_fwd[(triton.cdiv(n_rows, block_rows),)](
+            x, weight, y_rms, y_l2, r_rms, r_l2, n_rows, inner, s_outer, s_inner, rms_eps,
+            l2_eps, D=dim, R=parts, BLOCK_ROWS=block_rows)
+        ctx.save_for_backward(x, weight, r_rms, r_l2)
+        ctx.layout, ctx.shape = (inner, s_outer, s_inner), shape
+        return y_rms, y_l2
+
+    @staticmethod
+    def backward(ctx, dy_rms: torch.Tensor | None, dy_l2: torch.Tensor | None):
+        x, weight, r_rms, r_l2 = ctx.saved_tensors
+        inner, s_outer, s_inner = ctx.layout
+        dim, parts = x.shape[-1], r_rms.shape[1]
+        n_rows = r_l2.numel()
+        block_rows, _ = _launch_shape(dim)
+        programs = triton.cdiv(n_rows, block_rows)
+        zeros = dict(dtype=x.dtype, device=x.device)
+        dy_rms = torch.zeros(n_rows * dim, **zeros) if dy_rms is None else dy_rms.contiguous()
+        dy_l2 = torch.zeros(n_rows * dim, **zeros) if dy_l2 is None else dy_l2.contiguous()
+        dx = empty(*ctx.shape, dtype=x.dtype, device=x.device)
+        dw = empty(programs, dim // parts, dtype=torch.float32, device=x.device)
+        _rms_l2_bwd[(programs,)](
+            x, weight, r_rms, r_l2, dy_rms, dy_l2, dx, dw, n_rows, inner, s_outer, s_inner,
+            D=dim, R=parts, BLOCK_ROWS=block_rows)
+        return dx, dw.sum(0).to(weight.dtype), None, None, None
+
+
+def rms_and_l2_norm(x: torch.Tensor, weight: torch.Tensor, parts: int, rms_eps: float,
+                    l2_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`nats.kernels.reference.norms.rms_and_l2_norm`; one launch each way where
+    the head and sub-head widths are powers of two, else the two row norms."""
+    dim = x.shape[-1]
+    if not (is_power_of_two(dim) and is_power_of_two(parts)) or dim < 2 * parts:
+        sub = x.reshape(*x.shape[:-2], x.shape[-2] * parts, dim // parts)
+        return rms_norm(sub, weight, rms_eps), l2_norm(x, l2_eps)
+    return _RmsL2Norm.apply(x, weight, parts, rms_eps, l2_eps)
 
 
 @triton.jit

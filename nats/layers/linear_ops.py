@@ -97,6 +97,11 @@ class LinearGates(nn.Module):
         return TokenGates(g, beta)
 
 
+QK_NORM_EPS = 1e-6
+"""The eps of the L2 norm that makes q and k unit vectors for the operators that take
+them so."""
+
+
 def all_linear_routes(batch: int, seq_len: int, chunk_size: int, heads: int,
                       device: torch.device) -> torch.Tensor:
     """Every chunk writes to the state: what the plain (unrouted) operator is."""
@@ -138,14 +143,21 @@ class LinearOperator:
         return LinearGates(d_model, self.heads, decay=self.spec.decays, write=self.spec.delta,
                            backend=self.backend)
 
+    @property
+    def unit_qk(self) -> bool:
+        """Whether the operator takes q and k as unit vectors (:data:`QK_NORM_EPS`); the
+        normalised operators take them as they are."""
+        return not self.spec.normaliser
+
     def features(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """``[B, T, H*D]`` projections as heads ``[B, T, H, D]``, q and k as the operator
         takes them (module docstring)."""
         shape = (*q.shape[:2], self.heads, -1)
         q, k, v = q.view(shape), k.view(shape), v.view(shape)
-        if self.spec.normaliser:
+        if not self.unit_qk:
             return q, k, v
-        return l2_norm(q, backend=self.backend), l2_norm(k, backend=self.backend), v
+        return (l2_norm(q, QK_NORM_EPS, backend=self.backend),
+                l2_norm(k, QK_NORM_EPS, backend=self.backend), v)
 
     def initial_state(self, batch: int, device: torch.device) -> torch.Tensor:
         """The empty float32 state ``[B, H, Dk, state_width]``."""

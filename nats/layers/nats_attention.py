@@ -19,12 +19,12 @@ from torch import nn
 
 from nats.cache import NatsLayerCache
 from nats.config import NatsConfig
-from nats.kernels import SOFTMAX, hybrid_softmax_attention, merge_branches
+from nats.kernels import SOFTMAX, hybrid_softmax_attention, merge_branches, rms_and_l2_norm
 from nats.kernels.decode import append_to_open_chunk, hybrid_attention_decode
 from nats.kernels.streams import concurrently
 
 from ..softmax_fraction import softmax_fraction
-from .linear_ops import LinearOperator, TokenGates
+from .linear_ops import QK_NORM_EPS, LinearOperator, TokenGates
 from .norms import RMSNorm, upcast
 from .projections import GatedOutput, QKVProjection
 from .rotary import apply_rotary
@@ -79,9 +79,10 @@ class NatsAttention(nn.Module):
         self.linear = LinearOperator.from_config(cfg)
         self.gates = self.linear.gates(cfg.d_model)
         self.scorer = ChunkScorer(pooled_width(cfg.d_model, cfg.scorer_pool), h,
-                                  norm=cfg.scorer_norm, detach=cfg.scorer_detach)
+                                  norm=cfg.scorer_norm, detach=cfg.scorer_detach,
+                                  backend=cfg.backend)
         if cfg.softmax_target is not None:
-            self.budget = BudgetedScores(h, cfg.softmax_target)
+            self.budget = BudgetedScores(h, cfg.softmax_target, backend=cfg.backend)
         self.mix = nn.Linear(h * cfg.head_dim_k, 2 * h * r, bias=False)
         self.out = GatedOutput(cfg.d_model, h * r, cfg.softmax_head_dim_v, cfg.output_gate)
         self.softmax_gamma: nn.Parameter | None = None
@@ -93,7 +94,7 @@ class NatsAttention(nn.Module):
         """Under ``branch_norm="scaled"``: the running mean square of each softmax head's
         output (``running_mean``; 1 until the first training step)."""
         if cfg.branch_norm == "scaled":
-            self.softmax_scale = RunningMoments(h * r, warm_start=True)
+            self.softmax_scale = RunningMoments(h * r, warm_start=True, backend=cfg.backend)
             self.softmax_scale.running_mean.fill_(1.0)
         self.softmax_gain: nn.Parameter | None = None
         """Under ``softmax_gain_init``: each softmax head's learned weight in the merge."""
@@ -112,11 +113,41 @@ class NatsAttention(nn.Module):
         cfg = self.cfg
         q, k, v = qkv[-3:]
         shape = (*q.shape[:2], cfg.n_heads * cfg.softmax_heads_per_head, -1)
-        qs, ks = self.q_norm(q.view(shape)), self.k_norm(k.view(shape))
-        if cfg.rope:
-            qs = apply_rotary(qs, start, cfg.rope_theta)
-            ks = apply_rotary(ks, start, cfg.rope_theta)
+        qs, ks = self._rotated(self.q_norm(q.view(shape)), self.k_norm(k.view(shape)), start)
         return qs, ks, v.view(shape)
+
+    def _rotated(self, qs: torch.Tensor, ks: torch.Tensor, start: int | torch.Tensor,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The softmax heads' normalised q and k, rotated from position ``start`` under
+        ``rope``."""
+        if not self.cfg.rope:
+            return qs, ks
+        return (apply_rotary(qs, start, self.cfg.rope_theta),
+                apply_rotary(ks, start, self.cfg.rope_theta))
+
+    def _shares_qk_norms(self) -> bool:
+        """Whether one kernel may make both branches' norms of q and k: the softmax heads
+        read the shared q and k (a study that feeds them from elsewhere says False) and
+        the linear operator takes them as unit vectors."""
+        return self.cfg.softmax_qkv == "shared" and self.linear.unit_qk
+
+    def _branch_heads(self, qkv: tuple[torch.Tensor, ...], start: int | torch.Tensor,
+                      ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """``(qs, ks, vs), (ql, kl, vl)``: both branches' heads (:meth:`_softmax_heads`,
+        ``linear.features``), the norms of the shared q and k taken by one kernel each
+        where :meth:`_shares_qk_norms` (one read of q and of k, one gradient for each)."""
+        if not self._shares_qk_norms():
+            return self._softmax_heads(qkv, start), self.linear.features(*qkv[:3])
+        cfg = self.cfg
+        q, k, v = qkv[:3]
+        heads = (*q.shape[:2], cfg.n_heads, -1)
+        r = cfg.softmax_heads_per_head
+        qs, ql = rms_and_l2_norm(q.view(heads), self.q_norm.weight, r, self.q_norm.eps,
+                                 QK_NORM_EPS, backend=cfg.backend)
+        ks, kl = rms_and_l2_norm(k.view(heads), self.k_norm.weight, r, self.k_norm.eps,
+                                 QK_NORM_EPS, backend=cfg.backend)
+        qs, ks = self._rotated(qs, ks, start)
+        return (qs, ks, v.view(*q.shape[:2], cfg.n_heads * r, -1)), (ql, kl, v.view(heads))
 
     def _route(self, pooled: torch.Tensor, first_chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Routes and scorer probabilities for chunks ``first_chunk ..`` from pooled inputs."""
@@ -175,10 +206,9 @@ class NatsAttention(nn.Module):
                   cache_conv: torch.Tensor | None):
         cfg, c = self.cfg, self.cfg.chunk_size
         seq_len = x.shape[1]
-        q, k, v = qkv[:3]
+        q = qkv[0]
         routes, probs = self._route(chunk_pool(x, c, cfg.scorer_pool), 0)
-        qs, ks, vs = self._softmax_heads(qkv, 0)
-        ql, kl, vl = self.linear.features(q, k, v)
+        (qs, ks, vs), (ql, kl, vl) = self._branch_heads(qkv, 0)
         gates = self.gates(x)
         linear = self.linear.parallel if cache_conv is None else self._prefill_linear
         o_sm, linear_out = concurrently(
@@ -301,9 +331,8 @@ class NatsAttention(nn.Module):
         in place, with the same launches at every position (no host reads)."""
         cfg = self.cfg
         qkv = self.qkv.step(x, cache.conv)
-        q, k, v = qkv[:3]
-        qs, ks, vs = self._softmax_heads(qkv, position)
-        ql, kl, vl = self.linear.features(q, k, v)
+        q = qkv[0]
+        (qs, ks, vs), (ql, kl, vl) = self._branch_heads(qkv, position)
         gates = self.gates(x).window(0)
         o_la, _ = self.linear.step(cache.state, ql[:, 0], kl[:, 0], vl[:, 0], gates,
                                    out=cache.state)

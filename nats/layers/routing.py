@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nats.kernels import Backend, moments_accumulate, moments_commit
 from nats.kernels.reference.chunks import chunk_token_counts, num_chunks
 
 from .norms import upcast
@@ -80,9 +81,10 @@ class RunningMoments(nn.Module):
     training, evaluation and decoding.
     """
 
-    def __init__(self, channels: int, momentum: float = 0.1, warm_start: bool = False) -> None:
+    def __init__(self, channels: int, momentum: float = 0.1, warm_start: bool = False,
+                 backend: Backend = "auto") -> None:
         super().__init__()
-        self.momentum = momentum
+        self.momentum, self.backend = momentum, backend
         self.register_buffer("running_mean", torch.zeros(channels))
         self.register_buffer("running_var", torch.ones(channels))
         if warm_start:
@@ -99,13 +101,12 @@ class RunningMoments(nn.Module):
         another device."""
 
     def accumulate(self, x: torch.Tensor) -> None:
-        """Add the rows of ``x`` ``[n, C]`` to the pending sums."""
-        x = x.detach().double()
-        sums = torch.cat([x.new_full((1,), x.shape[0]), x.sum(0), x.square().sum(0)])
+        """Add the rows of ``x`` ``[..., C]`` to the pending sums."""
         if self.pending is None:
-            self.pending = torch.zeros_like(sums)
+            self.pending = torch.zeros(1 + 2 * x.shape[-1], dtype=torch.float64,
+                                       device=x.device)
         self._follow_device()
-        self.pending.add_(sums)
+        moments_accumulate(x, self.pending, backend=self.backend)
 
     def _follow_device(self) -> None:
         if self.pending is not None and self.pending.device != self.running_mean.device:
@@ -114,34 +115,21 @@ class RunningMoments(nn.Module):
     @torch.no_grad()
     def commit(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """Fold the pending sums (``reduce``-d across processes first) into the running
-        values and clear them; a commit that saw no routable chunk changes nothing.
-
-        Decided on the device (a weight of 0), not by reading the count back: that would
-        wait for the GPU once per statistic and step, and cannot be captured.
-        """
+        values and clear them; a commit that saw no routable chunk changes nothing
+        (:func:`nats.kernels.moments_commit`, decided on the device)."""
         if self.pending is None:
             return
         self._follow_device()
         sums = self.pending if reduce is None else reduce(self.pending)
-        count, channels = sums[0], self.running_mean.numel()
-        seen = count >= 1
-        mean = sums[1: 1 + channels] / count.clamp_min(1)
-        var = (sums[1 + channels:] / count.clamp_min(1) - mean.square()).clamp_min(0)
-        weight = torch.full_like(self.running_mean[:1], self.momentum)
-        if self.commits is not None:
-            self.commits += seen
-            weight = self.commits.reciprocal().clamp_min(self.momentum)
-        weight = torch.where(seen, weight, 0.0).to(self.running_mean.dtype)
-        self.running_mean.lerp_(mean.to(self.running_mean.dtype), weight)
-        self.running_var.lerp_(var.to(self.running_var.dtype), weight)
-        self.pending.zero_()
+        moments_commit(sums, self.pending, self.running_mean, self.running_var, self.commits,
+                       self.momentum, backend=self.backend)
 
     def standardise(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         """``(x - mean) / sqrt(var + eps)`` with the running values; counts ``x``'s
         routable chunks (``x`` is ``[B, N, ..., C]``, the last chunk left out) while
         training."""
         if self.training and x.shape[1] > 1:
-            self.accumulate(x[:, :-1].reshape(-1, x.shape[-1]))
+            self.accumulate(x[:, :-1])
         return (x - self.running_mean) * torch.rsqrt(self.running_var + eps)
 
 
@@ -158,11 +146,11 @@ class ChunkScorer(nn.Module):
     """
 
     def __init__(self, d_model: int, n_heads: int, norm: bool = False, detach: bool = False,
-                 eps: float = 1e-5) -> None:
+                 eps: float = 1e-5, backend: Backend = "auto") -> None:
         super().__init__()
         self.n_heads, self.detach, self.eps = n_heads, detach, eps
         self.proj = nn.Linear(d_model, 2 * n_heads, bias=False)
-        self.moments = RunningMoments(d_model) if norm else None
+        self.moments = RunningMoments(d_model, backend=backend) if norm else None
 
     def forward(self, pooled: torch.Tensor) -> torch.Tensor:
         """``pooled`` ``[B, N, D]`` -> logits ``[B, N, H, 2]``."""
@@ -188,13 +176,14 @@ class BudgetedScores(nn.Module):
     (per micro-batch and process, as batch norm's is).
     """
 
-    def __init__(self, n_heads: int, target: float, eps: float = 1e-5) -> None:
+    def __init__(self, n_heads: int, target: float, eps: float = 1e-5,
+                 backend: Backend = "auto") -> None:
         super().__init__()
         self.eps = eps
         # One bias per head: training moves them together; a calibration may set them apart
         # (a head that routes content can take the share another head gives up).
         self.register_buffer("route_bias", torch.full((n_heads,), _normal_quantile(target)))
-        self.moments = RunningMoments(n_heads)
+        self.moments = RunningMoments(n_heads, backend=backend)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str,
                               *args: Any, **kwargs: Any) -> None:

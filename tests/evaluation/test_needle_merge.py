@@ -74,7 +74,8 @@ def test_direct_merge_with_a_softmax_layers_weights_is_that_layer(tmp_path: Path
                                  "half", "routed-plus-qkv"])
 def test_every_patch_is_undone(row: str, tmp_path: Path) -> None:
     cls = nats_attention.NatsAttention
-    before = {n: getattr(cls, n) for n in ("__init__", "forward", "_softmax_heads", "_merge")}
+    before = {n: getattr(cls, n) for n in ("__init__", "forward", "_softmax_heads",
+                                           "_shares_qk_norms", "_merge")}
     hook = needle_merge.loop.set_exploration
     with needle_merge._row_patches(row, 100):
         model, batch = _model_and_batch(tmp_path)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nats.kernels import l2_norm, merge_branches, rms_norm
+from nats.kernels import l2_norm, merge_branches, rms_and_l2_norm, rms_norm
 from nats.kernels.reference import norms as reference
 
 from .inputs import CUDA, DEVICE, check
@@ -95,6 +95,61 @@ def test_bf16_model_width_matches_reference_on_gpu(dim: int) -> None:
     x = (torch.randn(3, 999, dim, generator=torch.Generator().manual_seed(4)) * 2).to(
         torch.bfloat16).to(DEVICE)
     compare("rms", x, True, 1e-2, 1e-2)
+
+
+def compare_pair(x: torch.Tensor, parts: int, out_tol: float, grad_tol: float) -> None:
+    """``rms_and_l2_norm`` on Triton against the float32 reference's two norms: both
+    outputs, and dx and dweight from output gradients on both (as a layer's q feeds both
+    branches)."""
+    gen = torch.Generator().manual_seed(6)
+    weight = (torch.rand(x.shape[-1] // parts, generator=gen) + 0.5).to(DEVICE)
+    xt, xr = x.detach().clone().requires_grad_(), x.detach().float().requires_grad_()
+    wt, wr = weight.clone().requires_grad_(), weight.clone().requires_grad_()
+    outs = rms_and_l2_norm(xt, wt, parts, 1e-5, 1e-6, backend="triton")
+    refs = reference.rms_and_l2_norm(xr, wr, parts, 1e-5, 1e-6)
+    for name, got, want in zip(("rms", "l2"), outs, refs, strict=True):
+        assert got.dtype == x.dtype and got.shape == want.shape and got.is_contiguous(), name
+        check(got, want, out_tol, name)
+    dys = [torch.randn(r.shape, generator=gen).to(DEVICE) for r in refs]
+    grads = torch.autograd.grad(outs, [xt, wt], [d.to(x.dtype) for d in dys])
+    grads_ref = torch.autograd.grad(refs, [xr, wr], dys)
+    for name, got, want, given in zip(("dx", "dweight"), grads, grads_ref, (xt, wt),
+                                      strict=True):
+        assert got.dtype == given.dtype and got.shape == given.shape, name
+        check(got, want, grad_tol, name)
+
+
+@pytest.mark.skipif(CUDA, reason="interpreter shapes; the GPU runs the bf16 tests")
+@pytest.mark.parametrize(("dtype", "out_tol", "grad_tol"),
+                         [(torch.float32, 1e-6, 1e-5), (torch.float16, 2e-3, 4e-3)])
+@pytest.mark.parametrize(("shape", "parts", "strided"), [
+    ((2, 5, 3, 16), 2, True), ((3, 7, 2, 32), 4, False), ((1, 40, 2, 16), 1, True),
+    ((2, 3, 2, 24), 2, False),  # sub-heads of 12: the two row norms instead
+])
+def test_rms_and_l2_norm_matches_reference_interpreted(
+        dtype: torch.dtype, out_tol: float, grad_tol: float, shape: tuple[int, ...],
+        parts: int, strided: bool) -> None:
+    if strided:
+        x = heads_of_projection(*shape, dtype=dtype, seed=7)
+        assert not x.is_contiguous()
+    else:
+        x = (torch.randn(shape, generator=torch.Generator().manual_seed(7)) * 3).to(dtype)
+    compare_pair(x.to(DEVICE), parts, out_tol, grad_tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("heads", "dim", "parts"), [(6, 128, 2), (16, 128, 2), (4, 64, 2),
+                                                     (4, 32, 1)])
+def test_bf16_rms_and_l2_norm_matches_reference_on_gpu(heads: int, dim: int,
+                                                       parts: int) -> None:
+    compare_pair(heads_of_projection(4, 1000, heads, dim, torch.bfloat16, seed=8), parts,
+                 1e-2, 1e-2)
+
+
+def test_rms_and_l2_norm_rejects_a_weight_of_the_wrong_width() -> None:
+    x = torch.zeros(2, 3, 2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="D / parts"):
+        rms_and_l2_norm(x, torch.ones(16, device=DEVICE), 2, 1e-5, 1e-6)
 
 
 def compare_merge(a: torch.Tensor, b: torch.Tensor, norm_a: bool, norm_b: bool,

@@ -173,3 +173,36 @@ def test_chunk_pools_by_hand():
     assert chunk_pool(x, 2, "mean_max").tolist() == [[[2.0, -3.0, 3.0, -2.0],
                                                       [-5.0, 7.0, -5.0, 7.0]]]
     assert torch.equal(chunk_pool(x, 2, "mean"), chunk_mean_pool(x, 2))
+
+
+@pytest.mark.parametrize(("softmax_qkv", "linear_op", "fused"), [
+    ("shared", "gated_deltanet", True), ("own", "gated_deltanet", False),
+    ("shared", "linear_attention", False),  # raw q and k: nothing to share
+])
+def test_both_branches_norms_of_q_and_k_come_from_one_kernel(monkeypatch, softmax_qkv,
+                                                              linear_op, fused):
+    """Where both branches read the shared q and k, one ``rms_and_l2_norm`` per tensor makes
+    the softmax heads' RMS norms and the linear heads' L2 norms, on the Triton kernels
+    (interpreted without a GPU); output and every gradient equal the layer's two separate
+    norms of each (``_shares_qk_norms`` off)."""
+    from nats.layers import nats_attention
+
+    calls = []
+    real = nats_attention.rms_and_l2_norm
+    monkeypatch.setattr(nats_attention, "rms_and_l2_norm",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    layer = tiny_model(("nats",), dtype=torch.float32, head_dim_k=32, head_dim_v=32,
+                       backend="triton", softmax_qkv=softmax_qkv, linear_op=linear_op,
+                       rope=True).nats_layers[0]
+    x = torch.randn(2, 40, 32, generator=torch.Generator().manual_seed(0))
+    results = []
+    for shared in (True, False):
+        if not shared:
+            monkeypatch.setattr(type(layer), "_shares_qk_norms", lambda self: False)
+        layer.zero_grad()
+        y = layer(x)[0]
+        y.square().sum().backward()
+        results.append((y, *(p.grad.clone() for p in layer.parameters() if p.grad is not None)))
+    assert len(calls) == (2 if fused else 0)
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
