@@ -35,7 +35,7 @@ from .gated_delta_rule_fwd import (
     store_carry,
     store_rows,
 )
-from .segments import carry_buffer, chain_ends, count
+from .segments import carry_buffer, chain_ends, count, state_grid
 from .utils import ChunkMap, empty, is_power_of_two
 
 HALF_GRADS = True
@@ -398,11 +398,7 @@ def _state_bwd(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor | None, do: tor
     ``dh0``."""
     _, _, heads, d_k = q.shape
     d_v = do.shape[-1]
-    n_seq = cmap.cu_seqlens.numel() - 1
-
-    def grid(meta: dict) -> tuple[int]:
-        blocks = triton.cdiv(d_v, meta["BV"]) + (triton.cdiv(d_k, meta["BV"]) if carry else 0)
-        return (blocks * n_seq * heads,)
+    grid = state_grid(cmap.cu_seqlens.numel() - 1, heads, d_k, d_v, carry)
     _state_bwd_kernel[grid](q, k, w, do, v_new, dvl, gc, z, h, dh, dv, dz, dgs, dht, dh0,
                             scale, cmap.cu_seqlens, cmap.chunk_offsets,
                             H=heads, K=d_k, V=d_v, BT=bt, R=r, USE_DHT=dht is not None,

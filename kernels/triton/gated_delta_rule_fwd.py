@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .segments import carry_buffer, chain_starts, count
+from .segments import carry_buffer, chain_starts, count, state_grid
 from .utils import ChunkMap, autotune_configs, empty
 
 
@@ -523,11 +523,7 @@ def _state_fwd(k: torch.Tensor, w: torch.Tensor | None, u: torch.Tensor, gc: tor
     """One launch of the state kernel; with ``carry`` its carry pass, into ``ht``."""
     _, _, heads, d_k = k.shape
     d_v = u.shape[-1]
-    n_seq = cmap.cu_seqlens.numel() - 1
-
-    def grid(meta: dict) -> tuple[int]:
-        blocks = triton.cdiv(d_v, meta["BV"]) + (triton.cdiv(d_k, meta["BV"]) if carry else 0)
-        return (blocks * n_seq * heads,)
+    grid = state_grid(cmap.cu_seqlens.numel() - 1, heads, d_k, d_v, carry)
     _state_fwd_kernel[grid](k, w, u, gc, z, h, v_new, h0, ht, cmap.cu_seqlens,
                             cmap.chunk_offsets, H=heads, K=d_k, V=d_v, BT=bt, R=r,
                             USE_H0=h0 is not None, STORE_HT=ht is not None,

@@ -25,6 +25,7 @@ import functools
 import torch
 import triton
 
+from ..reference.chunks import num_chunks
 from .utils import ChunkMap, segment_map
 
 STATE_SEGMENTS: int | None = None
@@ -71,11 +72,11 @@ def segments_of(batch: int, seq_len: int, heads: int, d_v: int, chunk_size: int,
     device."""
     if cu_seqlens is not None:
         return None
-    n_chunks = -(-seq_len // chunk_size)
-    segments = state_segments(batch, n_chunks, heads, d_v, device)
+    per_seq = num_chunks(seq_len, chunk_size)
+    segments = state_segments(batch, per_seq, heads, d_v, device)
     if segments == 1:
         return None
-    return segment_map(batch, seq_len, batch * n_chunks, chunk_size, segments, device)
+    return segment_map(batch, seq_len, batch * per_seq, chunk_size, segments, device)
 
 
 def count(segmap: ChunkMap, n_seq: int) -> int:
@@ -89,36 +90,45 @@ def carry_buffer(n_seq: int, heads: int, d_k: int, d_v: int,
     return torch.empty(n_seq, heads, d_k, d_v + d_k, dtype=torch.float32, device=device)
 
 
-def _maps(carry: torch.Tensor, segments: int, d_v: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(c, P)`` of every segment as ``[B, segments, H, K, *]``."""
-    n, heads, d_k, _ = carry.shape
-    c = carry.view(n // segments, segments, heads, d_k, d_v + d_k)
-    return c[..., :d_v], c[..., d_v:]
+def state_grid(n_seq: int, heads: int, d_k: int, d_v: int, carry: bool):
+    """The launch grid of a state pass (forward or backward) over ``n_seq`` sequences: one
+    program per value block of every (sequence, head), with a carry pass's identity blocks
+    (the host side of the kernels' ``carry_blocks``)."""
+    def grid(meta: dict) -> tuple[int]:
+        blocks = triton.cdiv(d_v, meta["BV"]) + (triton.cdiv(d_k, meta["BV"]) if carry else 0)
+        return (blocks * n_seq * heads,)
+    return grid
 
 
 def chain_starts(carry: torch.Tensor, h0: torch.Tensor | None, segments: int,
                  d_v: int) -> torch.Tensor:
     """Each segment's start state ``[B * segments, H, K, V]`` from the carry pass's maps and
     the sequences' initial states ``h0`` ``[B, H, K, V]`` (None: zero)."""
-    c, p = _maps(carry, segments, d_v)
-    starts = torch.empty(*c.shape, dtype=torch.float32, device=carry.device)
-    state = (torch.zeros_like(starts[:, 0]) if h0 is None else h0.float())
-    starts[:, 0] = state
-    for j in range(1, segments):
-        state = torch.matmul(p[:, j - 1], state).add_(c[:, j - 1])
-        starts[:, j] = state
-    return starts.view(-1, *starts.shape[2:])
+    return _chain(carry, h0, segments, d_v, range(segments))
 
 
 def chain_ends(carry: torch.Tensor, dht: torch.Tensor | None, segments: int,
                d_v: int) -> torch.Tensor:
     """Each segment's end-state gradient ``[B * segments, H, K, V]`` from the backward
     carry pass's maps and the sequences' final-state gradients ``dht`` (None: zero)."""
-    c, p = _maps(carry, segments, d_v)
-    ends = torch.empty(*c.shape, dtype=torch.float32, device=carry.device)
-    grad = (torch.zeros_like(ends[:, 0]) if dht is None else dht.float())
-    ends[:, segments - 1] = grad
-    for j in range(segments - 2, -1, -1):
-        grad = torch.matmul(p[:, j + 1], grad).add_(c[:, j + 1])
-        ends[:, j] = grad
-    return ends.view(-1, *ends.shape[2:])
+    return _chain(carry, dht, segments, d_v, range(segments - 1, -1, -1))
+
+
+def _chain(carry: torch.Tensor, given: torch.Tensor | None, segments: int, d_v: int,
+           order: range) -> torch.Tensor:
+    """Walk the segments in ``order``: the first gets ``given`` (None: zero), each next one
+    the previous one's map ``P x + c`` (carry ``[B * segments, H, K, V + K]``) applied to
+    what the previous one got."""
+    n, heads, d_k, _ = carry.shape
+    maps = carry.view(n // segments, segments, heads, d_k, d_v + d_k)
+    c, p = maps[..., :d_v], maps[..., d_v:]
+    out = torch.empty(*c.shape, dtype=torch.float32, device=carry.device)
+    steps = iter(order)
+    prev = next(steps)
+    x = torch.zeros_like(out[:, 0]) if given is None else given.float()
+    out[:, prev] = x
+    for j in steps:
+        x = torch.matmul(p[:, prev], x).add_(c[:, prev])
+        out[:, j] = x
+        prev = j
+    return out.view(-1, *out.shape[2:])
