@@ -108,8 +108,8 @@ class Case:
         slots = S._dz_slots(CHUNK)
         dz = torch.zeros(HEADS * R, self.n_chunks, slots, device=DEVICE)
         self.launch(kernel, "BLOCK_N", meta, (
-            self.k, self.v, S._descriptor(self.q), S._descriptor(self.do), dk, dv, dz,
-            self.lse, self.delta, self.before, *self.cmap, *self.k.stride()[:2],
+            self.k, self.v, self.q, self.do, dk, dv, dz, self.lse, self.delta, self.before,
+            *self.cmap, *self.q.stride()[:2], *self.do.stride()[:2], *self.k.stride()[:2],
             *self.v.stride()[:2], *dk.stride()[:2], *dv.stride()[:2], dz.stride(0),
             self.scale * S.LOG2E, self.scale, self.total), ROUTE_GRAD=1, DZ_SLOTS=slots)
         return dk, dv, dz

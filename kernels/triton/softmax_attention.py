@@ -65,11 +65,13 @@ def _configs(pairs: list[tuple[int, int, int, int]]) -> list[triton.Config]:
 # the 128 x 128 tile.
 _FWD_CONFIGS = _configs([(64, 64, 4, 3), (128, 64, 4, 3), (64, 64, 4, 4), (128, 128, 8, 2)])
 _BWD_CONFIGS = _configs([(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 2), (128, 128, 8, 2)])
-# Not the pipelined 64-query tiles: compiled by Triton 3.6 for Hopper, their dk changed
-# with whatever else ran on the GPU (the linear branch on the side stream): a few key
-# chunks off by ~10 %, dv and dq exact. Unpipelined or 128-query tiles were exact under
-# the same load (tests/kernels/test_streams.py tries every config here).
-_DKDV_CONFIGS = _configs([(64, 64, 4, 1), (128, 64, 4, 1), (128, 64, 4, 2), (128, 128, 8, 2)])
+# Only 64-query tiles. Compiled by Triton 3.6 for Hopper, two pipelined loops gave a dk that
+# changed with whatever else ran on the GPU (the linear branch on the side stream): 64-query
+# tiles loaded through TMA (a few key chunks off by ~10 %) and 32-query tiles with 2 stages
+# loaded by pointer (dk off by ~2e-3). 64-query tiles loaded by pointer were exact under the
+# same load at 1-3 stages (tests/kernels/test_streams.py tries every config here), and 3
+# stages the fastest at every measured shape (docs/BENCHMARKS.md); 1 stage fits any tile.
+_DKDV_CONFIGS = _configs([(64, 64, 4, 1), (64, 64, 4, 2), (64, 64, 4, 3)])
 _TUNE_KEY = ["C", "DK", "DV", "R"]
 
 
@@ -236,19 +238,20 @@ def _bwd_preprocess(OUT, DO, DELTA, stride_ot, stride_oh, stride_dot, stride_doh
 
 
 @triton.jit
-def _bwd_kv_block(k, v, dk, dv, dz, q_desc, do_desc, hq, q0, lse_ptr, delta_ptr, rows, row_ok,
-                  visible, qk_scale, DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+def _bwd_kv_block(k, v, dk, dv, dz, q_ptr, do_ptr, stride_qt, stride_dot, lse_ptr, delta_ptr,
+                  rows, row_ok, visible, qk_scale, DK: tl.constexpr, DV: tl.constexpr,
                   ACC_KV: tl.constexpr, ACC_Z: tl.constexpr):
-    """Gradients of a key tile from the query block ``rows = q0 + arange``. Its q and do
-    come whole through TMA: rows past the block's end hold other tokens (or zeros past the
-    batch), which ``visible`` masks out.
+    """Gradients of a key tile from the query block ``rows = q0 + arange`` (``row_ok``:
+    the rows it may read; ``visible`` masks the scores). q and do are loaded by pointer,
+    not through TMA, so that the loop is pipelined without the miscompile the configs'
+    comment describes.
 
     Scores are laid out queries by keys, as in the forward pass, and ``dz`` collects the
     score gradients elementwise, summed over queries once after the loop: keys along rows
     would need a row sum every step, which measured slower.
     """
-    q = _load_block(q_desc, q0, hq, BLOCK_M, DK)
-    do = _load_block(do_desc, q0, hq, BLOCK_M, DV)
+    q = _load_rows(q_ptr, rows, row_ok, stride_qt, DK)
+    do = _load_rows(do_ptr, rows, row_ok, stride_dot, DV)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
     p = tl.where(visible, tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None]), 0.0)
@@ -265,8 +268,9 @@ def _bwd_kv_block(k, v, dk, dv, dz, q_desc, do_desc, hq, q0, lse_ptr, delta_ptr,
 # writes one slot of a chunk where one with half-chunk tiles wrote two: zeroed per run.
 @triton.autotune(configs=_DKDV_CONFIGS, key=[*_TUNE_KEY, "ROUTE_GRAD"], reset_to_zero=["DZ"])
 @triton.jit
-def _attn_bwd_dkdv(K, V, Q_DESC, DO_DESC, DK_, DV_, DZ, LSE, DELTA, BEFORE, CU_SEQLENS,
-                   CHUNK_OFFSETS, CHUNK_SEQ, stride_kt, stride_kh, stride_vt,
+def _attn_bwd_dkdv(K, V, Q, DO, DK_, DV_, DZ, LSE, DELTA, BEFORE, CU_SEQLENS,
+                   CHUNK_OFFSETS, CHUNK_SEQ, stride_qt, stride_qh, stride_dot, stride_doh,
+                   stride_kt, stride_kh, stride_vt,
                    stride_vh, stride_dkt, stride_dkh, stride_dvt,
                    stride_dvh, stride_zh, qk_scale, sm_scale, total_len,
                    H: tl.constexpr, R: tl.constexpr, C: tl.constexpr,
@@ -291,32 +295,34 @@ def _attn_bwd_dkdv(K, V, Q_DESC, DO_DESC, DK_, DV_, DZ, LSE, DELTA, BEFORE, CU_S
     dz = tl.zeros([BLOCK_M, TN], tl.float32)
     lse_ptr = LSE + hq * total_len
     delta_ptr = DELTA + hq * total_len
+    q_ptr = Q + hq * stride_qh
+    do_ptr = DO + hq * stride_doh
     # The own chunk, causally: its weight is always 1, so no route gradient.
     chunk_end = tl.minimum(chunk_start + C, eos)
     for q0 in range(start, chunk_end, BLOCK_M):
         rows = q0 + tl.arange(0, BLOCK_M)
         row_ok = rows < chunk_end
         visible = (rows[:, None] >= cols[None, :]) & row_ok[:, None]
-        dk, dv, dz = _bwd_kv_block(k, v, dk, dv, dz, Q_DESC, DO_DESC, hq, q0, lse_ptr, delta_ptr,
-                                   rows, row_ok, visible, qk_scale, DK, DV, BLOCK_M, True,
-                                   False)
+        dk, dv, dz = _bwd_kv_block(k, v, dk, dv, dz, q_ptr, do_ptr, stride_qt, stride_dot,
+                                   lse_ptr, delta_ptr, rows, row_ok, visible, qk_scale, DK, DV,
+                                   True, False)
     # Every later query of the sequence sees a softmax chunk: a contiguous range.
     is_softmax = tl.load(BEFORE + (g + 1) * H + h) > tl.load(BEFORE + g * H + h)
     if is_softmax:
         for q0 in range(chunk_end, eos, BLOCK_M):
             rows = q0 + tl.arange(0, BLOCK_M)
             row_ok = rows < eos
-            dk, dv, dz = _bwd_kv_block(k, v, dk, dv, dz, Q_DESC, DO_DESC, hq, q0, lse_ptr,
-                                       delta_ptr, rows, row_ok, row_ok[:, None], qk_scale,
-                                       DK, DV, BLOCK_M, True, ROUTE_GRAD > 0)
+            dk, dv, dz = _bwd_kv_block(k, v, dk, dv, dz, q_ptr, do_ptr, stride_qt,
+                                       stride_dot, lse_ptr, delta_ptr, rows, row_ok,
+                                       row_ok[:, None], qk_scale, DK, DV, True, ROUTE_GRAD > 0)
     elif ROUTE_GRAD == 2:
         # A linear chunk's keys enter only the "both" route gradient, as if weighted 1.
         for q0 in range(chunk_end, eos, BLOCK_M):
             rows = q0 + tl.arange(0, BLOCK_M)
             row_ok = rows < eos
-            dk, dv, dz = _bwd_kv_block(k, v, dk, dv, dz, Q_DESC, DO_DESC, hq, q0, lse_ptr,
-                                       delta_ptr, rows, row_ok, row_ok[:, None], qk_scale,
-                                       DK, DV, BLOCK_M, False, True)
+            dk, dv, dz = _bwd_kv_block(k, v, dk, dv, dz, q_ptr, do_ptr, stride_qt,
+                                       stride_dot, lse_ptr, delta_ptr, rows, row_ok,
+                                       row_ok[:, None], qk_scale, DK, DV, False, True)
     dk_offs = cols.to(tl.int64)[:, None] * stride_dkt + tl.arange(0, DK)[None, :]
     dv_offs = cols.to(tl.int64)[:, None] * stride_dvt + tl.arange(0, DV)[None, :]
     tl.store(DK_ + hq * stride_dkh + dk_offs, (dk * sm_scale).to(DK_.dtype.element_ty),
@@ -497,8 +503,9 @@ class _HybridSoftmaxAttention(torch.autograd.Function):
         shapes = dict(H=heads, R=heads_sm // heads, C=chunk_size, DK=d_k, DV=d_v)
         q_desc, do_desc = _descriptor(q), _descriptor(do)
         _attn_bwd_dkdv[_grid("BLOCK_N", n_chunks, chunk_size, heads_sm)](
-            k, v, q_desc, do_desc, dk, dv, dz, lse, delta, before, *cmap,
-            *k.stride()[:2], *v.stride()[:2], *dk.stride()[:2], *dv.stride()[:2], dz.stride(0),
+            k, v, q, do, dk, dv, dz, lse, delta, before, *cmap, *q.stride()[:2],
+            *do.stride()[:2], *k.stride()[:2], *v.stride()[:2], *dk.stride()[:2],
+            *dv.stride()[:2], dz.stride(0),
             scale * LOG2E, scale, total_len, ROUTE_GRAD=code, DZ_SLOTS=slots, **shapes)
         _attn_bwd_dq[_grid("BLOCK_M", n_chunks, chunk_size, heads_sm)](
             k, v, q_desc, _descriptor(k), _descriptor(v), do_desc, dq, lse, delta, sel, before,
