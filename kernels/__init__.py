@@ -8,6 +8,7 @@ token-by-token oracles come from :mod:`.reference`.
 from .ops import (
     BACKENDS,
     Backend,
+    chunk_routes,
     hybrid_gated_delta_rule,
     hybrid_gated_linear_attention,
     hybrid_linear_attention,
@@ -49,6 +50,7 @@ __all__ = [
     "Backend",
     "causal_softmax_attention",
     "causal_softmax_attention_recurrent",
+    "chunk_routes",
     "gated_delta_rule",
     "gated_delta_rule_recurrent",
     "gated_linear_attention",

@@ -14,8 +14,9 @@ import torch
 
 from . import reference
 from .reference import norms as reference_norms
-from .reference.chunks import RouteGrad
+from .reference.chunks import RouteGrad, check_route_chunks, num_chunks
 from .reference.linear_attention import normalised_linear_attention
+from .reference.routes import ChunkRoutes, RouteBudget
 
 Backend = Literal["auto", "reference", "triton"]
 BACKENDS = ("auto", "reference", "triton")
@@ -99,8 +100,8 @@ def hybrid_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _fused(backend: Backend, x: torch.Tensor, name: str) -> ModuleType:
-    """The module ``name`` (``norms``, ``short_conv``, ``moments``) that runs on ``x``: its
-    Triton kernels, but the plain form for float64 (exact tests) and under
+    """The module ``name`` (``norms``, ``short_conv``, ``moments``, ``routes``) that runs
+    on ``x``: its Triton kernels, but the plain form for float64 (exact tests) and under
     ``torch.compile``, which fuses the plain form with its neighbours instead."""
     if (resolve_backend(backend, x) == "triton" and x.dtype != torch.float64
             and not torch.compiler.is_compiling()):
@@ -180,6 +181,27 @@ def moments_commit(sums: torch.Tensor, pending: torch.Tensor, running_mean: torc
     see :func:`reference.moments.moments_commit`."""
     _fused(backend, running_mean, "moments").moments_commit(
         sums, pending, running_mean, running_var, commits, momentum)
+
+
+def chunk_routes(logits: torch.Tensor, seq_len: int, chunk_size: int, *,
+                 budget: RouteBudget | None = None, forced: torch.Tensor | None = None,
+                 noise: torch.Tensor | None = None, tau: float | None = None,
+                 backend: Backend = "auto") -> ChunkRoutes:
+    """A NAtS-L layer's routes, the scorer's probabilities and the pass's statistics from
+    its scorer's ``[B, N, H, 2]`` logits; see :func:`reference.routes.chunk_routes`."""
+    if logits.dim() != 4 or logits.shape[-1] != 2:
+        raise ValueError(f"chunk_routes needs logits [B, N, H, 2], got {list(logits.shape)}")
+    check_route_chunks(logits, num_chunks(seq_len, chunk_size), seq_len, chunk_size)
+    for name, t in (("forced", forced), ("noise", noise)):
+        if t is not None and t.shape != logits.shape:
+            raise ValueError(f"chunk_routes needs {name} of the logits' shape "
+                             f"{list(logits.shape)}, got {list(t.shape)}")
+    heads = logits.shape[2]
+    if budget is not None and not (budget.bias.shape == budget.running_mean.shape
+                                   == budget.running_var.shape == (heads,)):
+        raise ValueError(f"chunk_routes needs a budget of [{heads}] per routing head")
+    return _fused(backend, logits, "routes").chunk_routes(logits, seq_len, chunk_size,
+                                                          budget, forced, noise, tau)
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, *,

@@ -4,8 +4,9 @@ the softmax fraction.
 It is token-weighted: the fraction of tokens, over every sequence and chunk, that lie in
 chunks routed to softmax attention (their keys stay in the KV cache, so KV bytes and
 softmax FLOPs follow it), per routing head and over all heads. A partial last chunk
-counts by its tokens. :func:`softmax_fraction` gives it for one forward pass on the
-routes' device (the layer's ``attn_frac``); :func:`measure_softmax_fraction` over many
+counts by its tokens. :func:`nats.kernels.reference.routes.softmax_fraction` gives it for
+one forward pass on the routes' device (the layer's ``attn_frac``, made with its routes by
+:func:`nats.kernels.chunk_routes`); :func:`measure_softmax_fraction` here over many
 batches, with integer counts so that "all softmax" and "all linear" are exact.
 """
 
@@ -19,7 +20,7 @@ import torch
 
 from nats.eval_mode import eval_mode
 from nats.kernels import SOFTMAX
-from nats.kernels.reference.chunks import chunk_token_counts
+from nats.kernels.reference.chunks import check_route_chunks, chunk_token_counts
 
 if TYPE_CHECKING:
     from nats import NatsForCausalLM
@@ -59,28 +60,12 @@ class LayerFraction:
         return MIXED
 
 
-def softmax_fraction(routes: torch.Tensor, seq_len: int, chunk_size: int) -> torch.Tensor:
-    """Per routing head ``[H]``, the softmax fraction of ``routes`` ``[B, N, H, 2]`` (a
-    float tensor on the routes' device: no transfer to the host)."""
-    counts = chunk_token_counts(seq_len, chunk_size, routes.device)
-    _check_chunks(routes, counts, seq_len, chunk_size)
-    is_sm = routes[..., SOFTMAX].detach().float()
-    return (is_sm * counts[None, :, None]).sum((0, 1)) / (routes.shape[0] * seq_len)
-
-
 def softmax_token_counts(routes: torch.Tensor, seq_len: int, chunk_size: int) -> torch.Tensor:
     """Per routing head ``[H]``, the tokens of ``routes`` ``[B, N, H, 2]`` routed to softmax."""
     is_sm = (routes[..., SOFTMAX].detach() > 0.5).long().cpu()  # [B, N, H]
     counts = chunk_token_counts(seq_len, chunk_size)
-    _check_chunks(routes, counts, seq_len, chunk_size)
+    check_route_chunks(routes, counts.numel(), seq_len, chunk_size)
     return (is_sm * counts[None, :, None]).sum((0, 1))
-
-
-def _check_chunks(routes: torch.Tensor, counts: torch.Tensor, seq_len: int,
-                  chunk_size: int) -> None:
-    if routes.shape[1] != counts.numel():
-        raise ValueError(f"routes cover {routes.shape[1]} chunks; {seq_len} tokens in chunks "
-                         f"of {chunk_size} make {counts.numel()}")
 
 
 @torch.no_grad()

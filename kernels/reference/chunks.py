@@ -41,6 +41,14 @@ def chunk_token_counts(seq_len: int, chunk_size: int,
     return (seq_len - starts).clamp_(max=chunk_size)
 
 
+def check_route_chunks(routes: torch.Tensor, n_chunks: int, seq_len: int,
+                       chunk_size: int) -> None:
+    """That ``routes`` ``[B, N, H, 2]`` have one route per chunk of ``seq_len`` tokens."""
+    if routes.shape[1] != n_chunks:
+        raise ValueError(f"routes cover {routes.shape[1]} chunks; {seq_len} tokens in chunks "
+                         f"of {chunk_size} make {n_chunks}")
+
+
 def check_chunk_size(chunk_size: int) -> None:
     if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")

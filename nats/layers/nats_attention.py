@@ -19,11 +19,17 @@ from torch import nn
 
 from nats.cache import NatsLayerCache
 from nats.config import NatsConfig
-from nats.kernels import SOFTMAX, hybrid_softmax_attention, merge_branches, rms_and_l2_norm
+from nats.kernels import (
+    SOFTMAX,
+    chunk_routes,
+    hybrid_softmax_attention,
+    merge_branches,
+    rms_and_l2_norm,
+)
 from nats.kernels.decode import append_to_open_chunk, hybrid_attention_decode
+from nats.kernels.reference.routes import ChunkRoutes
 from nats.kernels.streams import concurrently
 
-from ..softmax_fraction import softmax_fraction
 from .linear_ops import QK_NORM_EPS, LinearOperator, TokenGates
 from .norms import RMSNorm, upcast
 from .projections import GatedOutput, QKVProjection
@@ -36,7 +42,7 @@ from .routing import (
     chunk_pool,
     forced_routes,
     pooled_width,
-    sample_routes,
+    sampling_noise,
     scorer_input,
 )
 
@@ -149,19 +155,22 @@ class NatsAttention(nn.Module):
         qs, ks = self._rotated(qs, ks, start)
         return (qs, ks, v.view(*q.shape[:2], cfg.n_heads * r, -1)), (ql, kl, v.view(heads))
 
-    def _route(self, pooled: torch.Tensor, first_chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Routes and scorer probabilities for chunks ``first_chunk ..`` from pooled inputs."""
+    def _route(self, pooled: torch.Tensor, first_chunk: int, seq_len: int) -> ChunkRoutes:
+        """Routes of chunks ``first_chunk ..`` of ``seq_len`` tokens from their pooled
+        inputs, with the scorer's probabilities and the pass's statistics."""
+        cfg = self.cfg
         logits = self.scorer(pooled)
-        if self.cfg.softmax_target is not None:
-            logits = self.budget(logits)
-        probs = F.softmax(logits, -1)
+        budget = None if cfg.softmax_target is None else \
+            self.budget.state(self.training, logits.device)
+        forced = noise = tau = None
         if self.route_override is None:
-            routes = sample_routes(logits, self.cfg.sampler, self.cfg.gumbel_tau, self.training,
-                                   noise=self.route_noise)
+            noise, tau = sampling_noise(logits, cfg.sampler, cfg.gumbel_tau, self.training,
+                                        noise=self.route_noise)
         else:
-            routes = forced_routes(self.route_override, pooled.shape[0], first_chunk,
-                                   pooled.shape[1], self.cfg.n_heads, pooled.device)
-        return routes, probs
+            forced = forced_routes(self.route_override, pooled.shape[0], first_chunk,
+                                   pooled.shape[1], cfg.n_heads, pooled.device)
+        return chunk_routes(logits, seq_len, cfg.chunk_size, budget=budget, forced=forced,
+                            noise=noise, tau=tau, backend=cfg.backend)
 
     def _merge(self, q: torch.Tensor, o_la: torch.Tensor, o_sm: torch.Tensor,
                x: torch.Tensor) -> torch.Tensor:
@@ -207,7 +216,8 @@ class NatsAttention(nn.Module):
         cfg, c = self.cfg, self.cfg.chunk_size
         seq_len = x.shape[1]
         q = qkv[0]
-        routes, probs = self._route(chunk_pool(x, c, cfg.scorer_pool), 0)
+        decided = self._route(chunk_pool(x, c, cfg.scorer_pool), 0, seq_len)
+        routes = decided.routes
         (qs, ks, vs), (ql, kl, vl) = self._branch_heads(qkv, 0)
         gates = self.gates(x)
         linear = self.linear.parallel if cache_conv is None else self._prefill_linear
@@ -232,12 +242,9 @@ class NatsAttention(nn.Module):
                 store_k, store_v, store_chunks = store()
                 return NatsLayerCache(**parts, store_k=store_k, store_v=store_v,
                                       store_len=store_chunks * c)
-        routable = slice(0, routes.shape[1] - 1)
-        reg = probs[:, routable, :, SOFTMAX].mean() if routes.shape[1] > 1 else probs.new_zeros(())
-        routing = LayerRouting(
-            routes=routes, probs=probs, attn_frac=softmax_fraction(routes, seq_len, c),
-            reg=cfg.reg_lambda * reg,
-            routable_frac=routes[:, routable, :, SOFTMAX].detach().float().mean())
+        routing = LayerRouting(routes=routes, probs=decided.probs, attn_frac=decided.attn_frac,
+                               reg=cfg.reg_lambda * decided.reg,
+                               routable_frac=decided.routable_frac)
         return self._merge(q, o_la, o_sm, x), routing, cache
 
     # -- prefill: the cache after a prompt -------------------------------------------------
@@ -359,7 +366,7 @@ class NatsAttention(nn.Module):
         the chunk's summed log gates (zero, so undecayed, for operators without a decay)."""
         pooled = scorer_input(cache.pool_sum / self.cfg.chunk_size, cache.pool_max,
                               self.cfg.scorer_pool).to(self.scorer.proj.weight.dtype)
-        routes, _ = self._route(pooled[:, None], chunk)
+        routes = self._route(pooled[:, None], chunk, self.cfg.chunk_size).routes
         is_sm = routes[:, 0, :, SOFTMAX] > 0.5  # [B, H]
         decayed = cache.snapshot * cache.chunk_log_decay.exp()[..., None, None]
         cache.state.copy_(torch.where(is_sm[..., None, None], decayed, cache.state))

@@ -18,6 +18,7 @@ from torch import nn
 
 from nats.kernels import Backend, moments_accumulate, moments_commit
 from nats.kernels.reference.chunks import chunk_token_counts, num_chunks
+from nats.kernels.reference.routes import RouteBudget, budget_scores
 
 from .norms import upcast
 
@@ -102,11 +103,15 @@ class RunningMoments(nn.Module):
 
     def accumulate(self, x: torch.Tensor) -> None:
         """Add the rows of ``x`` ``[..., C]`` to the pending sums."""
+        moments_accumulate(x, self.sums(x.device), backend=self.backend)
+
+    def sums(self, device: torch.device) -> torch.Tensor:
+        """The pending sums, made on ``device`` by the first call."""
         if self.pending is None:
-            self.pending = torch.zeros(1 + 2 * x.shape[-1], dtype=torch.float64,
-                                       device=x.device)
+            self.pending = torch.zeros(1 + 2 * self.running_mean.numel(), dtype=torch.float64,
+                                       device=device)
         self._follow_device()
-        moments_accumulate(x, self.pending, backend=self.backend)
+        return self.pending
 
     def _follow_device(self) -> None:
         if self.pending is not None and self.pending.device != self.running_mean.device:
@@ -193,17 +198,17 @@ class BudgetedScores(nn.Module):
             state_dict[key] = state_dict[key].expand(self.route_bias.shape).clone()
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
+    def state(self, training: bool, device: torch.device) -> RouteBudget:
+        """What :func:`nats.kernels.chunk_routes` reads (while ``training``, the pending
+        sums it adds to)."""
+        return RouteBudget(self.route_bias, self.moments.running_mean,
+                           self.moments.running_var, self.eps,
+                           self.moments.sums(device) if training else None)
+
     def forward(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` ``[B, N, H, 2]`` -> ``[B, N, H, 2]``."""
-        d = logits[..., 0] - logits[..., 1]
-        if self.training and d.shape[1] > 1:
-            # The same value, but the gradient of a batch centred on its own mean: the part
-            # of the scorer's gradient that every chunk shares would only move all scores
-            # together (without it, concentrated recall was not learned: docs/RESULTS.md).
-            mean = d[:, :-1].mean((0, 1))
-            d = d - (mean - mean.detach())  # adds exactly 0: training routes as evaluation
-        z = self.moments.standardise(d, self.eps)
-        return torch.stack([z + self.route_bias, torch.zeros_like(z)], -1)
+        """``logits`` ``[B, N, H, 2]`` -> ``[B, N, H, 2]``
+        (:func:`nats.kernels.reference.routes.budget_scores`)."""
+        return budget_scores(logits, self.state(self.training, logits.device))
 
 
 def _normal_quantile(p: float) -> float:
@@ -212,30 +217,23 @@ def _normal_quantile(p: float) -> float:
     return NormalDist().inv_cdf(p)
 
 
-def straight_through(probs: torch.Tensor) -> torch.Tensor:
-    """One-hot of the argmax in value (exactly: ``probs - probs.detach()`` is 0), gradient
-    of ``probs``."""
-    hard = F.one_hot(probs.argmax(-1), 2).to(probs.dtype)
-    return hard + (probs - probs.detach())
-
-
-def sample_routes(logits: torch.Tensor, sampler: str, tau: float, training: bool,
-                  generator: torch.Generator | None = None, noise: float = 0.0) -> torch.Tensor:
-    """Routes from scorer logits: straight-through argmax, or hard Gumbel while training.
+def sampling_noise(logits: torch.Tensor, sampler: str, tau: float, training: bool,
+                   generator: torch.Generator | None = None, noise: float = 0.0,
+                   ) -> tuple[torch.Tensor | None, float | None]:
+    """The ``noise`` and ``tau`` of :func:`nats.kernels.reference.routes.sampled_routes`
+    for routes from ``logits``: the straight-through argmax, or hard Gumbel while training.
 
     ``noise`` (training only) adds that multiple of Gumbel noise before the argmax: at 1 a
     chunk goes to softmax with the scorer's probability, so routes explore; annealed to 0
     it is the plain argmax. The gradient stays that of the noiseless probabilities.
     """
     if not training:
-        return straight_through(F.softmax(logits, -1))
+        return None, None
     if sampler == "gumbel":
-        return straight_through(F.softmax((logits + _gumbel(logits, generator)) / tau, -1))
-    probs = F.softmax(logits, -1)
+        return _gumbel(logits, generator), tau
     if noise <= 0:
-        return straight_through(probs)
-    hard = F.one_hot((logits + noise * _gumbel(logits, generator)).argmax(-1), 2)
-    return hard.to(probs.dtype) + (probs - probs.detach())
+        return None, None
+    return noise * _gumbel(logits, generator), None
 
 
 def _gumbel(logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -11,9 +11,9 @@ from nats.layers.routing import (
     chunk_mean_pool,
     chunk_pool,
     forced_routes,
-    sample_routes,
 )
 
+from ..routes import sample_routes
 from .models import rel_err, tiny_model
 
 

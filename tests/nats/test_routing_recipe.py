@@ -12,8 +12,9 @@ import torch.nn.functional as F
 
 from nats import ConfigError, NatsConfig, NatsForCausalLM
 from nats.layers.nats_attention import NatsAttention
-from nats.layers.routing import BudgetedScores, RunningMoments, sample_routes
+from nats.layers.routing import BudgetedScores, RunningMoments
 
+from ..routes import sample_routes
 from .models import tiny_model
 
 
