@@ -36,8 +36,10 @@ def time_decode(model: NatsForCausalLM, context: int, steps: int, device: torch.
     """Mean milliseconds per decode step after warm-up, and the cache's KV bytes.
 
     The steps cross chunk ends (``steps`` > the chunk size), so closing chunks and any
-    graph capture they cause are part of the mean. ``graphed`` (a GPU only) replays the
-    steps from a CUDA graph, as ``generate`` does there.
+    graph capture they cause are part of the mean. The warm-up closes one chunk: the first
+    close in a process compiles the routes kernel for one chunk, once, as a first step
+    compiles the step's kernels. ``graphed`` (a GPU only) replays the steps from a CUDA
+    graph, as ``generate`` does there.
     """
     ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
     _, cache = model.prefill(ids)
@@ -48,7 +50,7 @@ def time_decode(model: NatsForCausalLM, context: int, steps: int, device: torch.
         def step(t: torch.Tensor) -> torch.Tensor:
             return model.decode_step(t, cache)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(5):
+    for _ in range(model.config.chunk_size + 1):
         step(token)
     sync()
     start = time.perf_counter()

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from nats import NatsForCausalLM
 from nats.config import nonnegative_finite, whole_at_least
 from nats.eval_mode import eval_mode
+from nats.kernels.reference.routes import budget_scores
 
 from .config import TrainConfig
 from .evaluation import evaluate
@@ -340,20 +341,23 @@ class _Scores:
     def of(self, position: int, earlier: Sequence[float | Sequence[float]]) -> torch.Tensor:
         key = (position, repr(list(earlier)))
         if key not in self._memo:
-            self._memo[key] = self._read(self.layers[position][1].budget)
+            self._memo[key] = self._read(self.layers[position][1])
         return self._memo[key]
 
-    def _read(self, budget: torch.nn.Module) -> torch.Tensor:
+    def _read(self, layer: torch.nn.Module) -> torch.Tensor:
         scores: list[torch.Tensor] = []
+        budget = layer.budget
 
-        def keep(module: torch.nn.Module, _: Any, out: torch.Tensor) -> None:
-            # A sequence's last chunk is not routable (no query sees its route).
-            scores.append(out[:, :-1, :, 0].flatten().float().cpu())
+        def keep(module: torch.nn.Module, _: Any, logits: torch.Tensor) -> None:
+            # The scorer's logits as the budget scores them (its bias is zero here); a
+            # sequence's last chunk is not routable (no query sees its route).
+            z = budget_scores(logits, budget.state(False, logits.device))
+            scores.append(z[:, :-1, :, 0].flatten().float().cpu())
             raise _StopForward
 
         bias = budget.route_bias.clone()
         budget.route_bias.zero_()  # the hook then sees z itself
-        handle = budget.register_forward_hook(keep)
+        handle = layer.scorer.register_forward_hook(keep)
         try:
             for ids in self.batches:
                 with contextlib.suppress(_StopForward):

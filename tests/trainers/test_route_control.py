@@ -259,8 +259,9 @@ def _loss_per_head(model: NatsForCausalLM, batches: list[tuple[torch.Tensor, tor
     for layer, share in zip(model.nats_layers, shares, strict=True):
         seen: list[torch.Tensor] = []
         layer.budget.route_bias.zero_()
-        hook = layer.budget.register_forward_hook(
-            lambda m, i, out, seen=seen: seen.append(out[:, :-1, :, 0].reshape(-1, out.shape[2])))
+        hook = layer.scorer.register_forward_hook(  # its logits, as the budget scores them
+            lambda m, i, out, seen=seen, budget=layer.budget: seen.append(
+                budget(out)[:, :-1, :, 0].reshape(-1, out.shape[2])))
         with torch.no_grad():
             for x, _ in batches:
                 model(x)
@@ -369,8 +370,8 @@ def test_split_budget_reads_a_layers_scores_once_per_split_of_the_layers_before(
         monkeypatch: pytest.MonkeyPatch) -> None:
     model, batches = _scored_model(), _labelled(3)
     calls = {"first": 0, "second": 0, "logits": 0}
-    for name, module in (("first", model.nats_layers[0].budget),
-                         ("second", model.nats_layers[1].budget), ("logits", model.lm_head)):
+    for name, module in (("first", model.nats_layers[0].scorer),
+                         ("second", model.nats_layers[1].scorer), ("logits", model.lm_head)):
         module.register_forward_hook(
             lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
     first_layer_splits: set[str] = set()
