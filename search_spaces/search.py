@@ -420,12 +420,36 @@ def load_study(out: str | Path) -> Any:
     return optuna.load_study(study_name=settings.study_name, storage=_optuna_storage(where))
 
 
+class _PicklableLock:
+    """A thread lock that pickles as a new, free one. Optuna 5.1's genetic samplers keep a
+    ``threading.Lock`` (``_thread_lock``), and Ray Tune pickles its search algorithm, the
+    sampler in it, when a search starts: a plain lock makes every NSGA-II search fail."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> bool:
+        return self._lock.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.__exit__(*exc)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._lock = threading.Lock()
+
+
 def _sampler(settings: SearchSettings) -> Any:
     import optuna
 
     if settings.sampler == "nsga2":
         population = max(2, min(50, settings.num_trials // 2))
-        return optuna.samplers.NSGAIISampler(seed=settings.seed, population_size=population)
+        sampler = optuna.samplers.NSGAIISampler(seed=settings.seed, population_size=population)
+        if hasattr(sampler, "_thread_lock"):  # Optuna >= 5.1
+            sampler._thread_lock = _PicklableLock()
+        return sampler
     # Multivariate TPE over groups of parameters that appear together (conditional spaces);
     # half the trials (at most 10) are random before the model takes over.
     return optuna.samplers.TPESampler(seed=settings.seed, multivariate=True, group=True,

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,20 @@ def _check_consistent(out: Path, metric: str = "loss", cost: str = "flops") -> d
             matches.append(trial["trial_id"])
     assert matches, "the exported config is none of the front's trials"
     return {"rows": rows, "front": front, "exported": exported}
+
+
+@pytest.mark.parametrize("sampler", search.SAMPLERS)
+def test_the_sampler_survives_the_pickling_tune_gives_it(sampler: str) -> None:
+    """Ray Tune pickles its search algorithm, the sampler in it, when a search starts
+    (Optuna 5.1's NSGA-II sampler holds a thread lock); the copy still samples."""
+    import optuna
+
+    settings = types.SimpleNamespace(sampler=sampler, num_trials=8, seed=0)  # what it reads
+    copy = pickle.loads(pickle.dumps(search._sampler(settings)))
+    study = optuna.create_study(sampler=copy, directions=["minimize", "minimize"])
+    study.optimize(lambda t: (t.suggest_float("x", 0, 1), t.suggest_float("y", 0, 1)),
+                   n_trials=6, n_jobs=2)
+    assert len(study.trials) == 6
 
 
 def test_search_writes_consistent_results(tmp_path: Path, local_ray, capsys) -> None:
