@@ -5,9 +5,10 @@ the float32 linear state, a snapshot of that state at the current chunk's start,
 the unfinished chunk. KV memory therefore follows the softmax fraction.
 
 Every buffer a decode step touches has a fixed shape and is updated in place, and the
-step finds where to write from a device copy of the position: a step is the same
-sequence of launches every time, which a CUDA graph can replay. Only the host-side
-bookkeeping between steps (closing a chunk, growing a full buffer) may replace buffers.
+step finds where to write from a device copy of the position: a step launches the same
+kernels at every position but one in a chunk, the last, which also scores and files the
+chunk; the host knows which it is, and a CUDA graph replays either. Only the host-side
+bookkeeping between steps (growing a full buffer) may replace buffers.
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ class NatsLayerCache(_Buffers):
     ``chunk_log_decay`` ``[B, H]`` its summed log decay (zeros for operators without a
     decay gate). ``state`` and ``snapshot`` are the linear operator's, two buffers
     (``Dv + 1`` columns for linear attention: the normaliser restores with it).
+    ``chunks`` counts the finished chunks and ``most_filed`` bounds from above the
+    softmax chunks any head has filed, both on the host: the bound lets the store grow in
+    time without reading the count from the GPU at every close.
     """
 
     conv: torch.Tensor
@@ -96,6 +100,8 @@ class NatsLayerCache(_Buffers):
     store_k: torch.Tensor
     store_v: torch.Tensor
     store_len: torch.Tensor
+    chunks: int
+    most_filed: int
 
     @property
     def store_chunks(self) -> torch.Tensor:
@@ -110,20 +116,32 @@ class NatsLayerCache(_Buffers):
         open_chunk = self.chunk_k.shape[0] * self.chunk_k.shape[1] * self.open_len
         return (stored + open_chunk) * per_head
 
-    def append_chunk(self, is_softmax: torch.Tensor) -> None:
-        """File the finished chunk: keys and values of softmax heads ``[B, H]`` go to the
-        store. Every head writes its next free slot; only softmax heads claim it."""
-        batch, heads, r, slots, chunk, _ = self.store_k.shape
+    def file_chunk(self, is_softmax: torch.Tensor) -> None:
+        """File the finished chunk on the device: keys and values of softmax heads
+        ``[B, H]`` go to the store. Every head writes its next free slot (there is one:
+        :meth:`chunk_closed`); only softmax heads claim it."""
+        batch, heads, r, _, chunk, _ = self.store_k.shape
         filed = self.store_chunks
-        if int(filed.max()) == slots:  # grow geometrically
-            grow = (0, 0, 0, 0, 0, slots)
-            self.store_k, self.store_v = F.pad(self.store_k, grow), F.pad(self.store_v, grow)
         for store, new in ((self.store_k, self.chunk_k), (self.store_v, self.chunk_v)):
             src = new.reshape(batch, heads, r, 1, chunk, new.shape[-1])
             index = filed.view(batch, heads, 1, 1, 1, 1).expand_as(src)
             store.scatter_(3, index, src)
         self.store_len += chunk * is_softmax.long()  # in place: captured decode steps read it
+
+    def chunk_closed(self) -> None:
+        """Host bookkeeping once a step filed its chunk: a new chunk opens, and the store
+        keeps a free slot for it. The real count is read from the GPU only when the bound
+        says the store may be full; full, it grows geometrically."""
         self.open_len = 0
+        self.chunks += 1
+        self.most_filed += 1
+        slots = self.store_k.shape[3]
+        if self.most_filed < slots:
+            return
+        self.most_filed = int(self.store_chunks.max())
+        if self.most_filed == slots:
+            grow = (0, 0, 0, 0, 0, slots)
+            self.store_k, self.store_v = F.pad(self.store_k, grow), F.pad(self.store_v, grow)
 
 
 LayerCache = SoftmaxLayerCache | LinearLayerCache | NatsLayerCache

@@ -2,17 +2,19 @@
 
 At batch 1 a decode step is a few hundred small kernels, and launching them from Python
 costs far more than running them. :meth:`NatsForCausalLM.decode_compute` launches the
-same kernels at every position on fixed buffers (the cache's), so it is captured once
-and replayed; the host bookkeeping between steps (:meth:`~NatsForCausalLM.decode_advance`:
-closing chunks, growing full buffers) stays eager. When that bookkeeping replaces a
-buffer, the graph no longer points at the cache and is captured again: at chunk closes
-whose store is full, and when a softmax layer's KV buffer doubles, so a logarithmic
-number of times over a generation.
+same kernels at every position of a :meth:`~NatsForCausalLM.decode_plan` (which layers
+end a chunk, and so also score and file it) on fixed buffers (the cache's), so each plan's
+step is captured once and replayed: a model whose layers share a chunk size has two. The
+host bookkeeping between steps (:meth:`~NatsForCausalLM.decode_advance`: opening chunks,
+growing full buffers) stays eager. When that bookkeeping replaces a buffer, the graphs no
+longer point at the cache and are captured again: when a store fills, and when a softmax
+layer's KV buffer doubles, so a logarithmic number of times over a generation.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -47,21 +49,30 @@ def warm_then_capture(warm_up: Callable[[], W], record: Callable[[], R], device:
     return warm, graph, recorded
 
 
+@dataclass
+class _Captured:
+    """One plan's graph, the token and logits buffers it reads and fills, and the cache's
+    buffers it was captured on."""
+
+    graph: torch.cuda.CUDAGraph
+    token: torch.Tensor
+    logits: torch.Tensor
+    bound_to: list[int]
+
+
 class GraphedDecoder:
     """``decoder(token)`` does what ``model.decode_step(token, cache)`` does, on a GPU.
 
-    The first step, and every step after the cache's buffers moved, runs eagerly (which
-    also compiles and warms up every kernel) and then captures the next step's work.
+    The first step of each plan, and every one after the cache's buffers moved, runs
+    eagerly (which also compiles and warms up every kernel) and captures its work, which
+    the plan's later steps replay.
     """
 
     def __init__(self, model: NatsForCausalLM, cache: HybridCache) -> None:
         if not cache.position_t.is_cuda:
             raise ValueError("CUDA-graph decoding needs the model and its cache on a GPU")
         self.model, self.cache = model, cache
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.bound_to: list[int] = []
-        self.token: torch.Tensor | None = None
-        self.logits: torch.Tensor | None = None
+        self.graphs: dict[tuple[bool, ...], _Captured] = {}
         self.captures = 0
 
     def _buffers(self) -> list[int]:
@@ -70,23 +81,25 @@ class GraphedDecoder:
     @torch.no_grad()
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, V]`` of one new token ``[B]``; advances the cache."""
-        stale = self.graph is None or token.shape != self.token.shape
-        if stale or self._buffers() != self.bound_to:
-            return self._eager_then_capture(token)
-        self.token.copy_(token)
-        self.graph.replay()
+        plan = self.model.decode_plan(self.cache)
+        captured = self.graphs.get(plan)
+        if captured is None or token.shape != captured.token.shape \
+                or self._buffers() != captured.bound_to:
+            return self._eager_then_capture(token, plan)
+        captured.token.copy_(token)
+        captured.graph.replay()
         self.model.decode_advance(self.cache)
-        return self.logits.clone()
+        return captured.logits.clone()
 
-    def _eager_then_capture(self, token: torch.Tensor) -> torch.Tensor:
-        # The warm-up is this token's real step; the capture records the next one's work.
-        # The decoder's state changes once both succeeded: a graph must not outlive the
-        # token buffer it reads.
+    def _eager_then_capture(self, token: torch.Tensor, plan: tuple[bool, ...]) -> torch.Tensor:
+        # The warm-up is this token's real work; the capture records the same plan's work
+        # before the bookkeeping moves the cache on. A graph must not outlive the token
+        # buffer it reads, so the decoder keeps it only once both succeeded.
         fixed_token = token.clone()
         logits, graph, fixed_logits = warm_then_capture(
-            lambda: self.model.decode_step(token, self.cache),
+            lambda: self.model.decode_compute(token, self.cache),
             lambda: self.model.decode_compute(fixed_token, self.cache), token.device)
-        self.token, self.graph, self.logits = fixed_token, graph, fixed_logits
-        self.bound_to = self._buffers()
+        self.graphs[plan] = _Captured(graph, fixed_token, fixed_logits, self._buffers())
         self.captures += 1
+        self.model.decode_advance(self.cache)
         return logits

@@ -225,17 +225,25 @@ class NatsForCausalLM(nn.Module):
     def decode_compute(self, token: torch.Tensor, cache: HybridCache) -> torch.Tensor:
         """The device work of a decode step: logits ``[B, V]``, every cache buffer updated
         in place. It reads no value back to the host and launches the same kernels at every
-        position, so :class:`nats.cuda_graph.GraphedDecoder` can capture it; it must be
-        followed by :meth:`decode_advance`."""
+        position of one :meth:`decode_plan`, so :class:`nats.cuda_graph.GraphedDecoder` can
+        capture it; it must be followed by :meth:`decode_advance`."""
+        self.decode_plan(cache)  # its checks raise before a step changes the cache
         x = self.embed(token[:, None])
         for block, layer_cache in zip(self.blocks, cache.layers, strict=True):
             x = block.step(x, layer_cache, cache.position_t)
         cache.position_t.add_(1)
         return self.lm_head(self.norm(x))[:, 0]
 
+    def decode_plan(self, cache: HybridCache) -> tuple[bool, ...]:
+        """Per layer, whether the next decode step ends a chunk there (and so also scores
+        and files it): all on the host that the step's launches depend on, so a graphed
+        decoder keeps one graph per plan."""
+        return tuple(isinstance(block.mixer, NatsAttention) and block.mixer.closes_chunk(c)
+                     for block, c in zip(self.blocks, cache.layers, strict=True))
+
     def decode_advance(self, cache: HybridCache) -> None:
-        """The host bookkeeping after :meth:`decode_compute`: chunks that end are scored and
-        filed, full buffers grow."""
+        """The host bookkeeping after :meth:`decode_compute`: new chunks open, full buffers
+        grow."""
         for block, layer_cache in zip(self.blocks, cache.layers, strict=True):
             block.mixer.advance(layer_cache, cache.position)
         cache.position += 1

@@ -39,6 +39,7 @@ from .routing import (
     ChunkScorer,
     RouteOverride,
     RunningMoments,
+    check_override_covers,
     chunk_pool,
     forced_routes,
     pooled_width,
@@ -155,9 +156,11 @@ class NatsAttention(nn.Module):
         qs, ks = self._rotated(qs, ks, start)
         return (qs, ks, v.view(*q.shape[:2], cfg.n_heads * r, -1)), (ql, kl, v.view(heads))
 
-    def _route(self, pooled: torch.Tensor, first_chunk: int, seq_len: int) -> ChunkRoutes:
+    def _route(self, pooled: torch.Tensor, first_chunk: int | torch.Tensor, seq_len: int,
+               ) -> ChunkRoutes:
         """Routes of chunks ``first_chunk ..`` of ``seq_len`` tokens from their pooled
-        inputs, with the scorer's probabilities and the pass's statistics."""
+        inputs, with the scorer's probabilities and the pass's statistics (``first_chunk``
+        a device scalar or an int: :func:`forced_routes`)."""
         cfg = self.cfg
         logits = self.scorer(pooled)
         budget = None if cfg.softmax_target is None else \
@@ -239,9 +242,10 @@ class NatsAttention(nn.Module):
                 pool_sum=upcast(x[:, done:]).sum(1), pool_max=self._open_max(x, done))
 
             def cache() -> NatsLayerCache:
-                store_k, store_v, store_chunks = store()
+                store_k, store_v, store_chunks, most = store()
                 return NatsLayerCache(**parts, store_k=store_k, store_v=store_v,
-                                      store_len=store_chunks * c)
+                                      store_len=store_chunks * c, chunks=done // c,
+                                      most_filed=most)
         routing = LayerRouting(routes=routes, probs=decided.probs, attn_frac=decided.attn_frac,
                                reg=cfg.reg_lambda * decided.reg,
                                routable_frac=decided.routable_frac)
@@ -288,12 +292,13 @@ class NatsAttention(nn.Module):
         return upcast(x[:, done:]).amax(1)
 
     def _pack_store(self, ks: torch.Tensor, vs: torch.Tensor, routes: torch.Tensor, done: int,
-                    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+                    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
         """Keys/values of the ``done`` finished softmax chunks, packed in order per head,
-        from a finisher: ``store_k, store_v`` ``[B, H, r, M, C, D]`` and the real slot
-        counts ``[B, H]``; slots past a head's count hold stale data that decoding never
-        reads. The finisher waits only for the store's size (the most softmax chunks of
-        any head, copied to the host without blocking), not for work queued after it.
+        from a finisher: ``store_k, store_v`` ``[B, H, r, M, C, D]``, the real slot counts
+        ``[B, H]`` and their maximum; slots past a head's count hold stale data that
+        decoding never reads. The finisher waits only for the store's size (the most
+        softmax chunks of any head, copied to the host without blocking), not for work
+        queued after it.
         As the softmax layer's cache, the store keeps room for a quarter more chunks: full,
         the first chunk closed after the prompt would move it, and a graphed decoder would
         capture its step again.
@@ -303,7 +308,7 @@ class NatsAttention(nn.Module):
         if done == 0:
             empty = (ks.new_zeros(batch, h, r, 1, c, ks.shape[-1]),
                      vs.new_zeros(batch, h, r, 1, c, vs.shape[-1]),
-                     torch.zeros(batch, h, dtype=torch.long, device=ks.device))
+                     torch.zeros(batch, h, dtype=torch.long, device=ks.device), 0)
             return lambda: empty
         is_sm = routes[:, :done, :, SOFTMAX] > 0.5  # [B, done, H]
         counts = is_sm.sum(1)
@@ -322,11 +327,11 @@ class NatsAttention(nn.Module):
             room = (0, 0, 0, 0, 0, max(1, filled // 4))
             return F.pad(torch.gather(chunks, 2, idx).permute(0, 1, 4, 2, 3, 5), room)
 
-        def finish() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        def finish() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
             if copied is not None:
                 copied.synchronize()
             filled = max(int(most), 1)
-            return pack(ks, filled), pack(vs, filled), counts
+            return pack(ks, filled), pack(vs, filled), counts, int(most)
 
         return finish
 
@@ -335,7 +340,8 @@ class NatsAttention(nn.Module):
     def step(self, x: torch.Tensor, cache: NatsLayerCache, position: torch.Tensor,
              ) -> torch.Tensor:
         """One token ``x`` ``[B, 1, D]`` at ``position`` (a device scalar); updates ``cache``
-        in place, with the same launches at every position (no host reads)."""
+        in place without host reads. The token that ends a chunk also scores and files it
+        (:meth:`closes_chunk`); every other position launches the same kernels."""
         cfg = self.cfg
         qkv = self.qkv.step(x, cache.conv)
         q = qkv[0]
@@ -352,26 +358,40 @@ class NatsAttention(nn.Module):
         o_sm = hybrid_attention_decode(qs[:, 0], store_k, store_v, cache.store_len,
                                        cache.chunk_k, cache.chunk_v, open_len,
                                        cfg.softmax_head_dim_k**-0.5, backend=cfg.backend)
-        return self._merge(q, o_la[:, None], o_sm[:, None], x)
+        y = self._merge(q, o_la[:, None], o_sm[:, None], x)
+        if self.closes_chunk(cache):
+            self._close_chunk(cache, position)
+        return y
+
+    def closes_chunk(self, cache: NatsLayerCache) -> bool:
+        """Whether the next step ends the open chunk, and so also scores and files it: the
+        one thing on the host its launches depend on. Checks that a given routes tensor
+        (``route_override``) covers that chunk, which a replayed step cannot."""
+        closes = cache.open_len == self.cfg.chunk_size - 1
+        if closes and isinstance(self.route_override, torch.Tensor):
+            check_override_covers(self.route_override, cache.chunks + 1)
+        return closes
 
     def advance(self, cache: NatsLayerCache, position: int) -> None:
-        """Host bookkeeping after the step of the token at ``position``: once its chunk is
-        full, score and file it (between steps, so a captured step stays the same)."""
+        """Host bookkeeping after the step of the token at ``position``."""
         cache.open_len += 1
         if cache.open_len == self.cfg.chunk_size:
-            self._close_chunk(cache, position // self.cfg.chunk_size)
+            cache.chunk_closed()
 
-    def _close_chunk(self, cache: NatsLayerCache, chunk: int) -> None:
-        """Score the finished chunk; SM keeps its keys and restores the snapshot decayed by
-        the chunk's summed log gates (zero, so undecayed, for operators without a decay)."""
-        pooled = scorer_input(cache.pool_sum / self.cfg.chunk_size, cache.pool_max,
+    def _close_chunk(self, cache: NatsLayerCache, position: torch.Tensor) -> None:
+        """Score the chunk that the token at ``position`` ends; SM keeps its keys and
+        restores the snapshot decayed by the chunk's summed log gates (zero, so undecayed,
+        for operators without a decay). Device work only: a graphed step replays it."""
+        c = self.cfg.chunk_size
+        pooled = scorer_input(cache.pool_sum / c, cache.pool_max,
                               self.cfg.scorer_pool).to(self.scorer.proj.weight.dtype)
-        routes = self._route(pooled[:, None], chunk, self.cfg.chunk_size).routes
+        chunk = torch.div(position, c, rounding_mode="floor")
+        routes = self._route(pooled[:, None], chunk, c).routes
         is_sm = routes[:, 0, :, SOFTMAX] > 0.5  # [B, H]
         decayed = cache.snapshot * cache.chunk_log_decay.exp()[..., None, None]
         cache.state.copy_(torch.where(is_sm[..., None, None], decayed, cache.state))
         cache.snapshot.copy_(cache.state)
-        cache.append_chunk(is_sm)
+        cache.file_chunk(is_sm)
         cache.pool_sum.zero_()
         if self.cfg.scorer_pool != "mean":
             cache.pool_max.fill_(-math.inf)

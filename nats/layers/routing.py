@@ -251,10 +251,15 @@ def fraction_is_softmax(chunk: torch.Tensor, fraction: float) -> torch.Tensor:
     return torch.floor((chunk + 1) * fraction) > torch.floor(chunk * fraction)
 
 
-def forced_routes(override: RouteOverride, batch: int, first_chunk: int, n: int, heads: int,
-                  device: torch.device) -> torch.Tensor:
-    """Routes ``[B, n, H, 2]`` for chunks ``first_chunk .. first_chunk + n - 1``."""
-    chunks = torch.arange(first_chunk, first_chunk + n, device=device)
+def forced_routes(override: RouteOverride, batch: int, first_chunk: int | torch.Tensor,
+                  n: int, heads: int, device: torch.device) -> torch.Tensor:
+    """Routes ``[B, n, H, 2]`` for chunks ``first_chunk .. first_chunk + n - 1``.
+
+    ``first_chunk`` may be a device scalar, which a captured decode step reads at every
+    replay; a routes tensor is then not checked to cover the chunks (the host checks it
+    with :func:`check_override_covers` before every step).
+    """
+    chunks = torch.arange(n, device=device) + first_chunk
     if isinstance(override, str):
         if override not in OVERRIDE_NAMES:
             raise ValueError(f"route override must be one of {OVERRIDE_NAMES}, a fraction in "
@@ -265,7 +270,10 @@ def forced_routes(override: RouteOverride, batch: int, first_chunk: int, n: int,
             raise ValueError(f"route override fraction must lie in [0, 1], got {override}")
         is_sm = fraction_is_softmax(chunks, float(override))
     elif isinstance(override, torch.Tensor):
-        return _slice_given_routes(override, batch, chunks, heads).to(device)
+        routes = _given_routes(override, batch, heads)
+        if isinstance(first_chunk, int):
+            check_override_covers(routes, first_chunk + n)
+        return routes[:, chunks.to(routes.device)].expand(batch, -1, -1, -1).to(device)
     else:
         raise ValueError(f"route override must be None, 'softmax', 'linear', a fraction or a "
                          f"tensor; got {type(override).__name__}")
@@ -273,15 +281,20 @@ def forced_routes(override: RouteOverride, batch: int, first_chunk: int, n: int,
     return F.one_hot((~is_sm).long(), 2).float()
 
 
-def _slice_given_routes(routes: torch.Tensor, batch: int, chunks: torch.Tensor,
-                        heads: int) -> torch.Tensor:
+def check_override_covers(routes: torch.Tensor, chunks: int) -> None:
+    """Raise unless the routes tensor ``routes`` (``[N, H]`` or ``[B, N, H, 2]``) gives
+    the first ``chunks`` chunks."""
+    given = routes.shape[0] if routes.dim() == 2 else routes.shape[1]
+    if chunks > given:
+        raise ValueError(f"the route override covers {given} chunks; the input needs {chunks}")
+
+
+def _given_routes(routes: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
+    """A routes tensor as ``[B or 1, N, H, 2]`` floats."""
     if routes.dim() == 2:  # [N, H], 1 = softmax
-        routes = F.one_hot((routes[None] <= 0.5).long(), 2).float().expand(batch, -1, -1, -1)
+        routes = F.one_hot((routes[None] <= 0.5).long(), 2)
     if routes.dim() != 4 or routes.shape[2] != heads or routes.shape[3] != 2 \
             or routes.shape[0] not in (1, batch):
         raise ValueError(f"a route override tensor must be [N, H={heads}] or "
                          f"[B={batch}, N, H={heads}, 2]; got {list(routes.shape)}")
-    if int(chunks[-1]) >= routes.shape[1]:
-        raise ValueError(f"the route override covers {routes.shape[1]} chunks; the input "
-                         f"needs {int(chunks[-1]) + 1}")
-    return routes[:, chunks.to(routes.device)].expand(batch, -1, -1, -1).float()
+    return routes.float()

@@ -74,6 +74,26 @@ def test_decoding_follows_forced_routes(override):
     assert rel_err(decode_logits(model, ids, 10), model(ids).logits) < 1e-12
 
 
+def test_decoding_follows_a_routes_tensor_and_stops_where_it_ends():
+    """A given routes tensor decides the chunks decoding closes too; the step that would
+    close a chunk it does not cover raises before it changes the cache (a graphed step
+    could not check it, so the host does, before every step)."""
+    model = tiny_model(("nats", "nats"))
+    given = torch.rand(5, 2, generator=torch.Generator().manual_seed(6)) > 0.5
+    model.set_route_override(given)
+    ids = torch.randint(0, 50, (2, 16 * 5), generator=torch.Generator().manual_seed(7))
+    full = model(ids).logits
+    assert rel_err(decode_logits(model, ids, 9), full) < 1e-12
+    _, cache = model.prefill(ids)
+    for t in range(15):  # into the sixth chunk, which only its last token closes
+        model.decode_step(ids[:, t], cache)
+    state = [t.clone() for t in cache.buffers()]
+    with pytest.raises(ValueError, match="covers 5 chunks; the input needs 6"):
+        model.decode_step(ids[:, 0], cache)
+    assert cache.position == 16 * 5 + 15
+    assert all(torch.equal(a, b) for a, b in zip(state, cache.buffers(), strict=True))
+
+
 def test_float32_decode_within_rounding():
     model = tiny_model(("nats", "linear"), dtype=torch.float32)
     ids = torch.randint(0, 50, (2, 50), generator=torch.Generator().manual_seed(2))

@@ -32,8 +32,9 @@ def test_triton_prefill_then_decode_equals_parallel_forward(linear_op):
                                            (torch.bfloat16, "max")])
 def test_graphed_decode_equals_eager_decode(dtype, pool):
     """CUDA-graph replays of the decode step give the eager steps' logits, across chunk
-    ends, a growing softmax store (recaptures) and a growing plain KV cache; under
-    ``scorer_pool="max"`` the replayed step keeps the running maximum chunks are scored by."""
+    ends (the closes replayed too), a growing softmax store (recaptures) and a growing
+    plain KV cache; under ``scorer_pool="max"`` the replayed step keeps the running maximum
+    chunks are scored by."""
     from nats.cuda_graph import GraphedDecoder
 
     cfg = NatsConfig(vocab_size=512, d_model=256, n_layers=3, n_heads=4, softmax_heads_per_head=2,
@@ -46,15 +47,48 @@ def test_graphed_decode_equals_eager_decode(dtype, pool):
     _, eager_cache = model.prefill(ids[:, :prompt])
     _, graph_cache = model.prefill(ids[:, :prompt])
     decoder = GraphedDecoder(model, graph_cache)
+    buffers, moves = graph_cache.buffers(), 0
     for t in range(prompt, ids.shape[1]):
         want = model.decode_step(ids[:, t], eager_cache)
         got = decoder(ids[:, t])
         assert rel_err(got.float(), want.float()) < 1e-5, t
+        moves += [b.data_ptr() for b in buffers] != [b.data_ptr() for b in graph_cache.buffers()]
+        buffers = graph_cache.buffers()
     assert graph_cache.position == eager_cache.position == ids.shape[1]
-    assert 1 < decoder.captures < 12  # recaptured when buffers grew, not at every chunk end
+    # One capture per plan (inside a chunk, ending one) and set of buffers, not per close.
+    assert moves > 1 and decoder.captures <= 2 * (moves + 1) < (ids.shape[1] - prompt) // 16
     assert torch.equal(graph_cache.layers[0].store_chunks, eager_cache.layers[0].store_chunks)
     assert model.generate(ids[:, :prompt], 40).equal(
         model.generate(ids[:, :prompt], 40, cuda_graph=False))
+
+
+def test_graphed_chunk_closes_replay_without_reading_back():
+    """Once both plans are captured, steps replay, those that end a chunk included: over
+    chunks the store has room for, no capture and no synchronising call (the host bounds
+    how full the store is). The closes take effect: every head files each chunk."""
+    from nats.cuda_graph import GraphedDecoder
+
+    cfg = NatsConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, softmax_heads_per_head=2,
+                     head_dim_k=64, head_dim_v=64, chunk_size=16, layer_types=("nats", "nats"),
+                     backend="triton")
+    model = spread_model(cfg, torch.bfloat16)
+    model.set_route_override("softmax")
+    ids = torch.randint(0, 512, (1, 16 * 32 + 16 * 5), device="cuda")
+    prompt = 16 * 32  # 32 chunks filed: the store keeps room for 8 more
+    with torch.no_grad():
+        _, cache = model.prefill(ids[:, :prompt])
+        decoder = GraphedDecoder(model, cache)
+        for t in range(prompt, prompt + 32):  # captures both plans
+            decoder(ids[:, t])
+        assert decoder.captures == 2
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for t in range(prompt + 32, ids.shape[1]):
+                decoder(ids[:, t])
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert decoder.captures == 2
+    assert all(layer.store_chunks.eq(32 + 5).all() for layer in cache.layers)
 
 
 def test_prefill_makes_no_blocking_read_back():

@@ -131,10 +131,14 @@ def test_forced_routes():
     assert routes[0, :, 0, 0].tolist() == [0, 0, 0, 1, 0, 0, 0, 1]
     later = forced_routes(0.25, batch=2, first_chunk=5, n=3, heads=3, device="cpu")
     assert torch.equal(later, routes[:, 5:])  # depends on the chunk index only
+    # A device scalar start (a captured decode step's) gives the same routes.
+    assert torch.equal(forced_routes(0.25, 2, torch.tensor(5), 3, 3, "cpu"), later)
     assert forced_routes("softmax", 1, 0, 2, 1, "cpu")[..., 0].tolist() == [[[1.0], [1.0]]]
     assert forced_routes("linear", 1, 0, 2, 1, "cpu")[..., 1].tolist() == [[[1.0], [1.0]]]
     given = torch.tensor([[1, 0], [0, 1], [1, 1]])
     assert forced_routes(given, 2, 1, 2, 2, "cpu")[1, :, :, 0].tolist() == [[0, 1], [1, 1]]
+    assert torch.equal(forced_routes(given, 2, torch.tensor(1), 2, 2, "cpu"),
+                       forced_routes(given, 2, 1, 2, 2, "cpu"))
     for bad, msg in [("half", "one of"), (1.5, r"\[0, 1\]"), (torch.ones(2, 5), "H=2"),
                      (given, "covers 3 chunks")]:
         with pytest.raises(ValueError, match=msg):
