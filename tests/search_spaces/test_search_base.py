@@ -14,6 +14,8 @@ steps, before the CPU references' reordered sums; 0.033 on seed 0 in 300).
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -27,7 +29,7 @@ from nats.trainers import train
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
 import common
 
-pytestmark = pytest.mark.slow  # three 300-step training runs, about 4 minutes on one core
+pytestmark = pytest.mark.slow  # three 300-step training runs, about 3 CPU minutes
 
 
 def _trained(layers: tuple[str, ...], out: Path, routes: str = "learned") -> dict[str, float]:
@@ -39,15 +41,37 @@ def _trained(layers: tuple[str, ...], out: Path, routes: str = "learned") -> dic
         return train(config).eval_metrics
 
 
+def _start(layers: tuple[str, ...], out: Path, routes: str = "learned") -> subprocess.Popen:
+    """:func:`_trained` in a process of its own (this file run as a script), so that the
+    runs share the machine's cores as a search's trials do; it writes ``out``.json."""
+    with open(f"{out}.log", "w") as log:  # the child keeps its own handle
+        return subprocess.Popen([sys.executable, __file__, ",".join(layers), str(out),
+                                 routes], stdout=log, stderr=subprocess.STDOUT)
+
+
+def _result(process: subprocess.Popen, out: Path) -> dict[str, float]:
+    process.wait()
+    assert process.returncode == 0, Path(f"{out}.log").read_text()[-3000:]
+    return json.loads(Path(f"{out}.json").read_text())
+
+
 def test_nats_learns_the_default_task_and_gated_deltanet_does_not(tmp_path: Path) -> None:
-    nats = _trained(("nats", "nats"), tmp_path / "nats")
-    gdn = _trained(("linear", "linear"), tmp_path / "linear")
-    # The same NAtS-L model with every route forced to linear (0.080 / 0.038 on seeds 0-1):
-    # what it learns, it learns by routing.
-    all_linear = _trained(("nats", "nats"), tmp_path / "all-linear", routes="linear")
+    runs = {"nats": (("nats", "nats"), "learned"), "gdn": (("linear", "linear"), "learned"),
+            # The same NAtS-L model with every route forced to linear (0.080 / 0.038 on
+            # seeds 0-1): what it learns, it learns by routing.
+            "all_linear": (("nats", "nats"), "linear")}
+    started = {name: _start(layers, tmp_path / name, routes)
+               for name, (layers, routes) in runs.items()}
+    nats, gdn, all_linear = (_result(p, tmp_path / name) for name, p in started.items())
     assert nats["eval/acc"] > 0.8, nats
     assert gdn["eval/acc"] < 0.3, gdn
     assert all_linear["eval/acc"] < 0.3 and all_linear["eval/route_frac"] == 0, all_linear
     # The hybrid learned where softmax matters: the pairs' chunk, in the first layer.
     assert nats["eval/route_informative/layer0"] > 2 * nats["eval/route_filler/layer0"], nats
     assert 0.3 < nats["eval/route_frac"] < 0.7, nats  # the budget (0.5) holds
+
+
+if __name__ == "__main__":  # one run for _start: layer types, run folder, routes
+    layer_types, folder, forced = sys.argv[1].split(","), Path(sys.argv[2]), sys.argv[3]
+    metrics = _trained(tuple(layer_types), folder, forced)
+    Path(f"{folder}.json").write_text(json.dumps(metrics))
