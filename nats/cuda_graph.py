@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from .cache import HybridCache
+from .layers.routing import RouteOverride
 
 if TYPE_CHECKING:  # the model imports this module
     from .model import NatsForCausalLM
@@ -49,23 +50,29 @@ def warm_then_capture(warm_up: Callable[[], W], record: Callable[[], R], device:
     return warm, graph, recorded
 
 
+Signature = list[tuple[int, torch.Size]]
+"""Where each of the cache's buffers is and its shape: what a captured step is bound to."""
+
+
 @dataclass
 class _Captured:
-    """One plan's graph, the token and logits buffers it reads and fills, and the cache's
-    buffers it was captured on."""
+    """One plan's graph, the token and logits buffers it reads and fills, the cache's
+    buffers it was captured on and the route overrides it replays (held, so that a
+    replaced one is told apart even if its memory is reused)."""
 
     graph: torch.cuda.CUDAGraph
     token: torch.Tensor
     logits: torch.Tensor
-    bound_to: list[int]
+    bound_to: Signature
+    overrides: tuple[RouteOverride, ...]
 
 
 class GraphedDecoder:
     """``decoder(token)`` does what ``model.decode_step(token, cache)`` does, on a GPU.
 
-    The first step of each plan, and every one after the cache's buffers moved, runs
-    eagerly (which also compiles and warms up every kernel) and captures its work, which
-    the plan's later steps replay.
+    The first step of each plan, and every one after the cache's buffers moved or a NAtS-L
+    layer's route override changed, runs eagerly (which also compiles and warms up every
+    kernel) and captures its work, which the plan's later steps replay.
     """
 
     def __init__(self, model: NatsForCausalLM, cache: HybridCache) -> None:
@@ -75,8 +82,11 @@ class GraphedDecoder:
         self.graphs: dict[tuple[bool, ...], _Captured] = {}
         self.captures = 0
 
-    def _buffers(self) -> list[int]:
-        return [t.data_ptr() for t in self.cache.buffers()]
+    def _buffers(self) -> Signature:
+        return [(t.data_ptr(), t.shape) for t in self.cache.buffers()]
+
+    def _overrides(self) -> tuple[RouteOverride, ...]:
+        return tuple(layer.route_override for layer in self.model.nats_layers)
 
     @torch.no_grad()
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
@@ -84,7 +94,9 @@ class GraphedDecoder:
         plan = self.model.decode_plan(self.cache)
         captured = self.graphs.get(plan)
         if captured is None or token.shape != captured.token.shape \
-                or self._buffers() != captured.bound_to:
+                or self._buffers() != captured.bound_to \
+                or any(a is not b for a, b in zip(self._overrides(), captured.overrides,
+                                                  strict=True)):
             return self._eager_then_capture(token, plan)
         captured.token.copy_(token)
         captured.graph.replay()
@@ -93,13 +105,30 @@ class GraphedDecoder:
 
     def _eager_then_capture(self, token: torch.Tensor, plan: tuple[bool, ...]) -> torch.Tensor:
         # The warm-up is this token's real work; the capture records the same plan's work
-        # before the bookkeeping moves the cache on. A graph must not outlive the token
-        # buffer it reads, so the decoder keeps it only once both succeeded.
+        # before the bookkeeping moves the cache on, which follows the warm-up even if the
+        # capture fails. A graph must not outlive the token buffer it reads, so the
+        # decoder keeps it only once both succeeded.
+        overrides = self._overrides()
+        for override in overrides:
+            if isinstance(override, torch.Tensor) and override.device != token.device:
+                raise ValueError(f"CUDA-graph decoding reads the route override tensor on "
+                                 f"the GPU, so it must be on {token.device}, not "
+                                 f"{override.device}")
         fixed_token = token.clone()
-        logits, graph, fixed_logits = warm_then_capture(
-            lambda: self.model.decode_compute(token, self.cache),
-            lambda: self.model.decode_compute(fixed_token, self.cache), token.device)
-        self.graphs[plan] = _Captured(graph, fixed_token, fixed_logits, self._buffers())
+        warmed: list[torch.Tensor] = []
+
+        def warm_up() -> torch.Tensor:
+            warmed.append(self.model.decode_compute(token, self.cache))
+            return warmed[0]
+
+        try:
+            _, graph, fixed_logits = warm_then_capture(
+                warm_up, lambda: self.model.decode_compute(fixed_token, self.cache),
+                token.device)
+            bound_to = self._buffers()  # before the bookkeeping may move them
+        finally:
+            if warmed:
+                self.model.decode_advance(self.cache)
+        self.graphs[plan] = _Captured(graph, fixed_token, fixed_logits, bound_to, overrides)
         self.captures += 1
-        self.model.decode_advance(self.cache)
-        return logits
+        return warmed[0]

@@ -284,6 +284,9 @@ def forced_routes(override: RouteOverride, batch: int, first_chunk: int | torch.
 def check_override_covers(routes: torch.Tensor, chunks: int) -> None:
     """Raise unless the routes tensor ``routes`` (``[N, H]`` or ``[B, N, H, 2]``) gives
     the first ``chunks`` chunks."""
+    if routes.dim() not in (2, 4):
+        raise ValueError(f"a route override tensor must be [N, H] or [B, N, H, 2]; got "
+                         f"{list(routes.shape)}")
     given = routes.shape[0] if routes.dim() == 2 else routes.shape[1]
     if chunks > given:
         raise ValueError(f"the route override covers {given} chunks; the input needs {chunks}")

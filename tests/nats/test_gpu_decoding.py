@@ -91,6 +91,72 @@ def test_graphed_chunk_closes_replay_without_reading_back():
     assert all(layer.store_chunks.eq(32 + 5).all() for layer in cache.layers)
 
 
+def test_graphed_decoding_follows_a_routes_tensor_and_a_changed_override():
+    """Closes replayed from a graph follow a given routes tensor (on the GPU, where the
+    graph reads it; on the CPU it is refused in one line), and a route override changed
+    between steps is captured anew, not replayed stale."""
+    from nats.cuda_graph import GraphedDecoder
+
+    cfg = NatsConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, softmax_heads_per_head=2,
+                     head_dim_k=64, head_dim_v=64, chunk_size=16, layer_types=("nats", "nats"),
+                     backend="triton")
+    model = spread_model(cfg)
+    ids = torch.randint(0, 512, (2, 16 * 12), device="cuda")
+    given = torch.rand(12, 4, generator=torch.Generator().manual_seed(0)) > 0.5
+    prompt = 16 * 2 + 5
+    model.set_route_override(given)
+    _, cache = model.prefill(ids[:, :prompt])
+    with pytest.raises(ValueError, match="must be on cuda"):
+        GraphedDecoder(model, cache)(ids[:, prompt])
+    model.set_route_override(given.cuda())
+    _, eager_cache = model.prefill(ids[:, :prompt])
+    _, graph_cache = model.prefill(ids[:, :prompt])
+    decoder = GraphedDecoder(model, graph_cache)
+    for t in range(prompt, ids.shape[1]):
+        if t == 16 * 7 + 3:
+            model.set_route_override(0.25)
+            captures = decoder.captures
+        want = model.decode_step(ids[:, t], eager_cache)
+        assert rel_err(decoder(ids[:, t]).float(), want.float()) < 1e-5, t
+    assert decoder.captures >= captures + 2  # both plans again, under the new override
+    assert torch.equal(graph_cache.layers[0].store_chunks, eager_cache.layers[0].store_chunks)
+    # The given tensor's chunks, then evenly a quarter: what both decoders filed.
+    filed = given[:7].sum(0) + sum(int(c % 4 == 3) for c in range(7, 12))
+    assert graph_cache.layers[0].store_chunks.tolist() == [filed.tolist()] * 2
+
+
+def test_a_failed_capture_leaves_the_cache_in_step(monkeypatch):
+    """The warm-up of a capture is the token's real step: when the capture after it fails,
+    the host's bookkeeping still follows, so later steps are the eager ones."""
+    import nats.cuda_graph
+    from nats.cuda_graph import GraphedDecoder
+
+    def failing(warm_up, record, device):
+        warm_up()
+        raise RuntimeError("capture failed")
+
+    cfg = NatsConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, softmax_heads_per_head=2,
+                     head_dim_k=64, head_dim_v=64, chunk_size=16, layer_types=("nats", "softmax"),
+                     backend="triton")
+    model = spread_model(cfg)
+    ids = torch.randint(0, 512, (1, 64), device="cuda")
+    _, want_cache = model.prefill(ids[:, :20])
+    _, cache = model.prefill(ids[:, :20])
+    decoder = GraphedDecoder(model, cache)
+    for t in range(20, 31):  # inside the chunk that token 31 ends
+        decoder(ids[:, t])
+        model.decode_step(ids[:, t], want_cache)
+    with monkeypatch.context() as m:
+        m.setattr(nats.cuda_graph, "warm_then_capture", failing)
+        with pytest.raises(RuntimeError, match="capture failed"):
+            decoder(ids[:, 31])
+    model.decode_step(ids[:, 31], want_cache)
+    assert cache.position == want_cache.position == 32
+    for t in range(32, 64):
+        assert rel_err(decoder(ids[:, t]).float(),
+                       model.decode_step(ids[:, t], want_cache).float()) < 1e-5, t
+
+
 def test_prefill_makes_no_blocking_read_back():
     """A NAtS-L layer's store is sized by a count that reaches the host through a
     non-blocking copy, read once the next layer's work is queued: with torch's sync debug

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from nats.kernels import hybrid_gated_delta_rule, hybrid_softmax_attention
 from nats.kernels.reference.norms import l2_norm, rms_norm
 from nats.layers.routing import (
+    check_override_covers,
     chunk_max_pool,
     chunk_mean_pool,
     chunk_pool,
@@ -143,6 +144,11 @@ def test_forced_routes():
                      (given, "covers 3 chunks")]:
         with pytest.raises(ValueError, match=msg):
             forced_routes(bad, 2, 0, 4, 2, "cpu")
+    # What decoding checks on the host before a step a replayed graph cannot check.
+    check_override_covers(given, 3)
+    for bad, chunks, msg in [(given, 4, "covers 3 chunks"), (torch.ones(3), 1, r"\[N, H\]")]:
+        with pytest.raises(ValueError, match=msg):
+            check_override_covers(bad, chunks)
 
 
 def test_forced_routes_reach_the_layer():
