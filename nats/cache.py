@@ -83,9 +83,9 @@ class NatsLayerCache(_Buffers):
     ``chunk_log_decay`` ``[B, H]`` its summed log decay (zeros for operators without a
     decay gate). ``state`` and ``snapshot`` are the linear operator's, two buffers
     (``Dv + 1`` columns for linear attention: the normaliser restores with it).
-    ``chunks`` counts the finished chunks and ``most_filed`` bounds from above the
-    softmax chunks any head has filed, both on the host: the bound lets the store grow in
-    time without reading the count from the GPU at every close.
+    ``most_filed`` bounds from above, on the host, the softmax chunks any head has filed:
+    the bound lets the store grow in time without reading the count from the GPU at every
+    close.
     """
 
     conv: torch.Tensor
@@ -100,8 +100,12 @@ class NatsLayerCache(_Buffers):
     store_k: torch.Tensor
     store_v: torch.Tensor
     store_len: torch.Tensor
-    chunks: int
     most_filed: int
+
+    @property
+    def ends_chunk(self) -> bool:
+        """Whether the next token ends the open chunk (its step also scores and files it)."""
+        return self.open_len == self.chunk_k.shape[2] - 1
 
     @property
     def store_chunks(self) -> torch.Tensor:
@@ -133,7 +137,6 @@ class NatsLayerCache(_Buffers):
         keeps a free slot for it. The real count is read from the GPU only when the bound
         says the store may be full; full, it grows geometrically."""
         self.open_len = 0
-        self.chunks += 1
         self.most_filed += 1
         slots = self.store_k.shape[3]
         if self.most_filed < slots:

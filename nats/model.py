@@ -238,7 +238,8 @@ class NatsForCausalLM(nn.Module):
         """Per layer, whether the next decode step ends a chunk there (and so also scores
         and files it): all on the host that the step's launches depend on, so a graphed
         decoder keeps one graph per plan."""
-        return tuple(isinstance(block.mixer, NatsAttention) and block.mixer.closes_chunk(c)
+        return tuple(isinstance(block.mixer, NatsAttention)
+                     and block.mixer.closes_chunk(c, cache.position)
                      for block, c in zip(self.blocks, cache.layers, strict=True))
 
     def decode_advance(self, cache: HybridCache) -> None:

@@ -244,8 +244,7 @@ class NatsAttention(nn.Module):
             def cache() -> NatsLayerCache:
                 store_k, store_v, store_chunks, most = store()
                 return NatsLayerCache(**parts, store_k=store_k, store_v=store_v,
-                                      store_len=store_chunks * c, chunks=done // c,
-                                      most_filed=most)
+                                      store_len=store_chunks * c, most_filed=most)
         routing = LayerRouting(routes=routes, probs=decided.probs, attn_frac=decided.attn_frac,
                                reg=cfg.reg_lambda * decided.reg,
                                routable_frac=decided.routable_frac)
@@ -341,7 +340,7 @@ class NatsAttention(nn.Module):
              ) -> torch.Tensor:
         """One token ``x`` ``[B, 1, D]`` at ``position`` (a device scalar); updates ``cache``
         in place without host reads. The token that ends a chunk also scores and files it
-        (:meth:`closes_chunk`); every other position launches the same kernels."""
+        (``cache.ends_chunk``); every other position launches the same kernels."""
         cfg = self.cfg
         qkv = self.qkv.step(x, cache.conv)
         q = qkv[0]
@@ -359,18 +358,18 @@ class NatsAttention(nn.Module):
                                        cache.chunk_k, cache.chunk_v, open_len,
                                        cfg.softmax_head_dim_k**-0.5, backend=cfg.backend)
         y = self._merge(q, o_la[:, None], o_sm[:, None], x)
-        if self.closes_chunk(cache):
+        if cache.ends_chunk:
             self._close_chunk(cache, position)
         return y
 
-    def closes_chunk(self, cache: NatsLayerCache) -> bool:
-        """Whether the next step ends the open chunk, and so also scores and files it: the
-        one thing on the host its launches depend on. Checks that a given routes tensor
-        (``route_override``) covers that chunk, which a replayed step cannot."""
-        closes = cache.open_len == self.cfg.chunk_size - 1
-        if closes and isinstance(self.route_override, torch.Tensor):
-            check_override_covers(self.route_override, cache.chunks + 1)
-        return closes
+    def closes_chunk(self, cache: NatsLayerCache, position: int) -> bool:
+        """Whether the step of the token at ``position`` ends the open chunk, and so also
+        scores and files it: the one thing on the host its launches depend on. Checks that
+        a given routes tensor (``route_override``) covers that chunk, which a replayed step
+        cannot."""
+        if cache.ends_chunk and isinstance(self.route_override, torch.Tensor):
+            check_override_covers(self.route_override, position // self.cfg.chunk_size + 1)
+        return cache.ends_chunk
 
     def advance(self, cache: NatsLayerCache, position: int) -> None:
         """Host bookkeeping after the step of the token at ``position``."""
