@@ -70,6 +70,29 @@ def hybrid_attention_decode(q: torch.Tensor, store_k: torch.Tensor, store_v: tor
                                         chunk_len, scale)
 
 
+def linear_gates_step(x: torch.Tensor, w_a: torch.Tensor | None, a_log: torch.Tensor | None,
+                      dt_bias: torch.Tensor | None, w_b: torch.Tensor | None, *,
+                      backend: Backend = "auto",
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A linear operator's gates for one token ``x`` ``[B, D]`` from its projection weights
+    ``[H, D]`` (either may be None); see :func:`.reference.decode.linear_gates_step`."""
+    if x.dim() != 2:
+        raise ValueError(f"linear_gates_step needs x [B, D], got {list(x.shape)}")
+    weights = [w for w in (w_a, w_b) if w is not None]
+    if not weights:
+        return None, None
+    heads = weights[0].shape[0]
+    if any(w.shape != (heads, x.shape[1]) for w in weights):
+        raise ValueError(f"linear_gates_step needs weights [H, D] with D = {x.shape[1]}, got "
+                         f"{[list(w.shape) for w in weights]}")
+    if w_a is not None and not (a_log is not None and dt_bias is not None
+                                and a_log.shape == dt_bias.shape == (heads,)):
+        raise ValueError(f"linear_gates_step needs a_log and dt_bias of shape [{heads}] "
+                         f"with w_a")
+    fast = _triton(backend, x)
+    return (reference if fast is None else fast).linear_gates_step(x, w_a, a_log, dt_bias, w_b)
+
+
 def short_conv_step(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, *,
                     backend: Backend = "auto") -> torch.Tensor:
     """See :func:`.reference.decode.short_conv_step`."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .chunks import compute_dtype
+from .gates import linear_gates
 from .linear_attention import elu_feature_map
 from .short_conv import short_conv
 
@@ -106,6 +107,19 @@ def hybrid_attention_decode(q: torch.Tensor, store_k: torch.Tensor, store_v: tor
     out = sum(torch.einsum("bhl,bhld->bhd", pi, v.to(dt)) for pi, v in zip(p, values,
                                                                           strict=True))
     return out.to(store_v.dtype)
+
+
+def linear_gates_step(x: torch.Tensor, w_a: torch.Tensor | None, a_log: torch.Tensor | None,
+                      dt_bias: torch.Tensor | None, w_b: torch.Tensor | None,
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """One token's gates from the layer's input ``x`` ``[B, D]``: :func:`.gates.linear_gates`
+    of its projections by ``w_a`` and ``w_b`` ``[H, D]`` (either may be None; ``a_log`` and
+    ``dt_bias`` go with ``w_a``). The products are taken in float32 (float64 for float64
+    inputs), not rounded to ``x``'s dtype first, as the Triton step takes them."""
+    dt = compute_dtype(x)
+    a = None if w_a is None else x.to(dt) @ w_a.to(dt).T
+    b = None if w_b is None else x.to(dt) @ w_b.to(dt).T
+    return linear_gates(a, a_log, dt_bias, b)
 
 
 def short_conv_step(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,9 @@ are the whole cost):
   writes the output, for the gated delta rule (``DELTA``) and for gated linear attention.
   Programs own disjoint ``[Dk, BV]`` column blocks of a head's state, read whole before
   they are written, so ``out=state`` is safe.
+* :func:`linear_gates_step`: one launch makes a token's gates from the layer's input,
+  the two narrow projections included (as two small products they were four cuBLAS
+  launches, a dot and a reduction each, before the gates' own).
 * :func:`hybrid_attention_decode`: split-K ("flash decoding"). The store is cut into
   splits of ``SPLIT`` keys, plus one split for the open chunk if there is one (the plain
   softmax layer has none); each program runs an
@@ -24,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .gates import softplus
 from .utils import empty
 
 LOG2E = 1.4426950408889634
@@ -183,6 +187,58 @@ def hybrid_attention_decode(q: torch.Tensor, store_k: torch.Tensor, store_v: tor
     _attn_combine_kernel[(batch * hq,)](m, total, acc, out, n_splits, DV=d_v,
                                         BDV=triton.next_power_of_2(d_v), BS=64)
     return out
+
+
+@triton.jit
+def _gates_step_kernel(X, WA, A_LOG, DT_BIAS, WB, G, BETA, x_stride, d_model, heads,
+                       DECAY: tl.constexpr, WRITE: tl.constexpr, BLOCK_H: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
+    """Batch row ``b``: both projections of its input, then the gates (float32 throughout)."""
+    b = tl.program_id(0)
+    h = tl.arange(0, BLOCK_H)
+    ok_h = h < heads
+    acc_a = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for d0 in range(0, d_model, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        ok_d = d < d_model
+        x = tl.load(X + b.to(tl.int64) * x_stride + d, mask=ok_d, other=0.0).to(tl.float32)
+        at = h[:, None] * d_model + d[None, :]
+        ok = ok_h[:, None] & ok_d[None, :]
+        if DECAY:
+            w = tl.load(WA + at, mask=ok, other=0.0).to(tl.float32)
+            acc_a += tl.sum(w * x[None, :], 1)
+        if WRITE:
+            w = tl.load(WB + at, mask=ok, other=0.0).to(tl.float32)
+            acc_b += tl.sum(w * x[None, :], 1)
+    if DECAY:
+        pre = acc_a + tl.load(DT_BIAS + h, mask=ok_h, other=0.0).to(tl.float32)
+        rate = tl.exp(tl.load(A_LOG + h, mask=ok_h, other=0.0).to(tl.float32))
+        tl.store(G + b * heads + h, -rate * softplus(pre), mask=ok_h)
+    if WRITE:
+        tl.store(BETA + b * heads + h, tl.sigmoid(acc_b), mask=ok_h)
+
+
+def linear_gates_step(x: torch.Tensor, w_a: torch.Tensor | None, a_log: torch.Tensor | None,
+                      dt_bias: torch.Tensor | None, w_b: torch.Tensor | None,
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """See :func:`nats.kernels.reference.decode.linear_gates_step` (no backward: a decode
+    step runs without gradients)."""
+    batch, d_model = x.shape
+    w = w_a if w_a is not None else w_b
+    heads = w.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    f32 = dict(dtype=torch.float32, device=x.device)
+    g = None if w_a is None else empty(batch, heads, **f32)
+    beta = None if w_b is None else empty(batch, heads, **f32)
+    block_h = triton.next_power_of_2(heads)
+    block_d = max(16, min(triton.next_power_of_2(d_model), 8192 // block_h))
+    _gates_step_kernel[(batch,)](
+        x, *(x if t is None else t.contiguous() for t in (w_a, a_log, dt_bias, w_b)),
+        x if g is None else g, x if beta is None else beta, x.stride(0), d_model, heads,
+        DECAY=w_a is not None, WRITE=w_b is not None, BLOCK_H=block_h, BLOCK_D=block_d)
+    return g, beta
 
 
 @triton.jit

@@ -26,7 +26,9 @@ def _log1p(x):
 
 
 @triton.jit
-def _softplus(x):
+def softplus(x):
+    """Softplus as torch takes it (the identity past its threshold), for every gates kernel
+    (the decode step's too)."""
     return tl.where(x > SOFTPLUS_THRESHOLD, x,
                     _log1p(tl.exp(tl.minimum(x, SOFTPLUS_THRESHOLD))))
 
@@ -55,7 +57,7 @@ def _gates_fwd(a_ptr, a_log_ptr, dt_bias_ptr, b_ptr, g_ptr, beta_ptr, n_rows, he
     dense, h, mask = _tile(n_rows, heads, BLOCK_ROWS, BLOCK_H)
     if DECAY:
         pre, rate = _decay_inputs(a_ptr, a_log_ptr, dt_bias_ptr, dense, h, mask, heads)
-        tl.store(g_ptr + dense, -rate * _softplus(pre), mask=mask)
+        tl.store(g_ptr + dense, -rate * softplus(pre), mask=mask)
     if WRITE:
         b = tl.load(b_ptr + dense, mask=mask, other=0.0).to(tl.float32)
         tl.store(beta_ptr + dense, tl.sigmoid(b), mask=mask)
@@ -76,7 +78,7 @@ def _gates_bwd(a_ptr, a_log_ptr, dt_bias_ptr, b_ptr, dg_ptr, dbeta_ptr, da_ptr, 
         dpre = -rate * dg * slope
         tl.store(da_ptr + dense, dpre.to(da_ptr.dtype.element_ty), mask=mask)
         part = dparams_ptr + tl.program_id(0) * 2 * heads + h
-        tl.store(part, tl.sum(-rate * _softplus(pre) * dg, axis=0), mask=h < heads)
+        tl.store(part, tl.sum(-rate * softplus(pre) * dg, axis=0), mask=h < heads)
         tl.store(part + heads, tl.sum(dpre, axis=0), mask=h < heads)
     if WRITE:
         beta = tl.sigmoid(tl.load(b_ptr + dense, mask=mask, other=0.0).to(tl.float32))

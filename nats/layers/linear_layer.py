@@ -48,7 +48,7 @@ class LinearLayer(nn.Module):
         """One token; updates the cache in place (``position`` is not needed)."""
         q, k, v = self.linear.features(*self.qkv.step(x, cache.conv))
         o, _ = self.linear.step(cache.state, q[:, 0], k[:, 0], v[:, 0],
-                                self.gates(x).window(0), out=cache.state)
+                                self.gates.step(x[:, 0]), out=cache.state)
         return self.out(rms_norm(o[:, None].to(x.dtype), eps=self.cfg.norm_eps,
                                  backend=self.cfg.backend), x)
 

@@ -35,10 +35,12 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nats.config import NatsConfig
 from nats.kernels import Backend, l2_norm, linear_gates, num_chunks
+from nats.kernels.decode import linear_gates_step
 from nats.kernels.linear_ops import LinearOpSpec, linear_op_spec
 
 from .norms import upcast
@@ -86,15 +88,29 @@ class LinearGates(nn.Module):
         if write:
             self.b_proj = nn.Linear(d_model, n_heads, bias=False)
 
-    def forward(self, x: torch.Tensor) -> TokenGates:
+    def _gate_parameters(self) -> tuple[torch.Tensor | None, ...]:
+        """``(W_a, A_log, dt_bias, W_b)``, None for the gate this operator lacks."""
         decay = hasattr(self, "a_proj")
-        g, beta = linear_gates(self.a_proj(x) if decay else None,
-                               self.A_log if decay else None, self.dt_bias if decay else None,
-                               self.b_proj(x) if hasattr(self, "b_proj") else None,
-                               backend=self.backend)
+        return (self.a_proj.weight if decay else None, self.A_log if decay else None,
+                self.dt_bias if decay else None,
+                self.b_proj.weight if hasattr(self, "b_proj") else None)
+
+    def _gates(self, g: torch.Tensor | None, beta: torch.Tensor | None,
+               x: torch.Tensor) -> TokenGates:
         if g is None:
             g = upcast(x).new_zeros(*x.shape[:-1], self.n_heads)
         return TokenGates(g, beta)
+
+    def forward(self, x: torch.Tensor) -> TokenGates:
+        w_a, a_log, dt_bias, w_b = self._gate_parameters()
+        return self._gates(*linear_gates(None if w_a is None else F.linear(x, w_a), a_log,
+                                         dt_bias, None if w_b is None else F.linear(x, w_b),
+                                         backend=self.backend), x)
+
+    def step(self, x: torch.Tensor) -> TokenGates:
+        """The gates ``[B, H]`` of one token ``x`` ``[B, D]`` (decoding, no gradients): one
+        kernel takes the projections too."""
+        return self._gates(*linear_gates_step(x, *self._gate_parameters(), backend=self.backend), x)
 
 
 QK_NORM_EPS = 1e-6

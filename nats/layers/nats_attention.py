@@ -345,7 +345,7 @@ class NatsAttention(nn.Module):
         qkv = self.qkv.step(x, cache.conv)
         q = qkv[0]
         (qs, ks, vs), (ql, kl, vl) = self._branch_heads(qkv, position)
-        gates = self.gates(x).window(0)
+        gates = self.gates.step(x[:, 0])
         o_la, _ = self.linear.step(cache.state, ql[:, 0], kl[:, 0], vl[:, 0], gates,
                                    out=cache.state)
         open_len = torch.empty(1, dtype=torch.long, device=x.device)  # written next

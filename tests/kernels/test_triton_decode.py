@@ -1,5 +1,6 @@
 """One-token decode: the reference against a direct computation, the Triton kernels
-against the reference.
+against the reference (the state update, attention over the cache, the convolution's
+step, the open chunk's bookkeeping and the gates from the layer's input).
 
 Without a GPU the kernels run under ``TRITON_INTERPRET=1`` on tiny shapes in float32
 and float16; with one, in bfloat16 at the shapes of ``nats bench decode``. Kernel
@@ -12,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nats.kernels import decode, short_conv
+from nats.kernels import decode, linear_gates, short_conv
 from nats.kernels.reference import decode as ref
 
 from .inputs import CUDA, DEVICE, check, gdr_inputs
@@ -232,3 +233,69 @@ def test_triton_append_matches_reference(with_max: bool, position: int, batch: i
     for name, got in buffers.items():
         if got is not None:
             assert torch.equal(got, want[name]), name
+
+
+def _gate_inputs(batch: int, heads: int, d_model: int, dtype: torch.dtype, seed: int):
+    """A token's layer input and a layer's gate weights, the projections wide enough to
+    reach softplus's threshold and its far negative side (``dt_bias`` as a layer starts)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, d_model, generator=gen).to(dtype).to(DEVICE)
+    w_a, w_b = (torch.randn(heads, d_model, generator=gen) * scale / d_model**0.5
+                for scale in (8.0, 3.0))
+    a_log = torch.log(torch.linspace(1.0, 16.0, heads))
+    dt_bias = torch.linspace(-7.0, -2.0, heads)
+    return x, *(t.to(dtype).to(DEVICE) for t in (w_a, a_log, dt_bias, w_b))
+
+
+GATES = [(True, True), (True, False), (False, True)]
+"""(decay, write): Gated DeltaNet, gated linear attention, DeltaNet."""
+
+
+def test_reference_gates_step_gates_the_projections() -> None:
+    """The step's gates are those of the parallel form for the token's projections."""
+    x, w_a, a_log, dt_bias, w_b = _gate_inputs(3, 5, 40, torch.float64, 0)
+    g, beta = ref.linear_gates_step(x, w_a, a_log, dt_bias, w_b)
+    g_want, beta_want = linear_gates(F.linear(x, w_a), a_log, dt_bias, F.linear(x, w_b),
+                                     backend="reference")
+    torch.testing.assert_close(g, g_want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(beta, beta_want, rtol=1e-12, atol=0)
+    assert ref.linear_gates_step(x, None, None, None, w_b)[0] is None
+    assert ref.linear_gates_step(x, w_a, a_log, dt_bias, None)[1] is None
+
+
+GATE_STEP_CASES = [(2, 3, 40, torch.float32), (1, 5, 1500, LOW), (3, 16, 100, torch.float32),
+                   ] if not CUDA else on_gpu([
+    (1, 6, 768, torch.bfloat16), (4, 16, 2048, torch.bfloat16), (3, 5, 1000, torch.float32),
+    (2, 32, 4096, torch.bfloat16)])
+
+
+@pytest.mark.parametrize(("decay", "write"), GATES)
+@pytest.mark.parametrize(("batch", "heads", "d_model", "dtype"), GATE_STEP_CASES)
+def test_triton_gates_step_matches_reference(decay: bool, write: bool, batch: int, heads: int,
+                                             d_model: int, dtype: torch.dtype) -> None:
+    x, w_a, a_log, dt_bias, w_b = _gate_inputs(batch, heads, d_model, dtype, d_model)
+    # x as one row of a wider buffer, as a layer passes x[:, 0] of [B, 1, D] or wider.
+    x = torch.cat([x, x], -1)[:, d_model:]
+    given = (w_a, a_log, dt_bias) if decay else (None, None, None)
+    given += (w_b if write else None,)
+    got = decode.linear_gates_step(x, *given, backend="triton")
+    want = ref.linear_gates_step(x, *given)
+    for name, out, out_ref in zip(("g", "beta"), got, want, strict=True):
+        assert (out is None) == (out_ref is None), name
+        if out is not None:
+            assert out.dtype == torch.float32 and out.shape == (batch, heads), name
+            # Both sides sum float32 products of the same inputs, in their own orders.
+            check(out, out_ref, 1e-5, name)
+            worst = ((out - out_ref).abs() / out_ref.abs().clamp_min(1e-30)).max().item()
+            assert worst <= 1e-3, f"{name}: worst relative error {worst:.1e}"
+
+
+def test_gates_step_one_line_errors() -> None:
+    x, w_a, a_log, dt_bias, w_b = _gate_inputs(2, 4, 12, torch.float32, 0)
+    with pytest.raises(ValueError, match=r"x \[B, D\]"):
+        decode.linear_gates_step(x[:, None], w_a, a_log, dt_bias, w_b)
+    with pytest.raises(ValueError, match=r"weights \[H, D\] with D = 12"):
+        decode.linear_gates_step(x, w_a, a_log, dt_bias, w_b[:, :5])
+    with pytest.raises(ValueError, match=r"a_log and dt_bias of shape \[4\]"):
+        decode.linear_gates_step(x, w_a, a_log[:3], dt_bias, w_b)
+    assert decode.linear_gates_step(x, None, None, None, None) == (None, None)
