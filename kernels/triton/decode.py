@@ -14,14 +14,16 @@ are the whole cost):
   the two narrow projections included (as two small products they were four cuBLAS
   launches, a dot and a reduction each, before the gates' own).
 * :func:`hybrid_attention_decode`: split-K ("flash decoding"). The store is cut into
-  splits of ``SPLIT`` keys, plus one split for the open chunk if there is one (the plain
-  softmax layer has none); each program runs an
-  online softmax over its keys and writes its partial maximum, sum and weighted values;
-  a second launch merges the splits. The number of splits follows the store's capacity
-  (a shape), not its length (a device value), so the launches are the same every step.
+  splits of :func:`store_split` keys, plus one split for the open chunk if there is one
+  (the plain softmax layer has none); each program runs an online softmax over its keys
+  and writes its partial maximum, sum and weighted values; a second launch merges the
+  splits. The number of splits follows the store's capacity (a shape), not its length (a
+  device value), so the launches are the same every step.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -31,10 +33,20 @@ from .gates import softplus
 from .utils import empty
 
 LOG2E = 1.4426950408889634
-SPLIT = 256
-"""Stored keys per program of the attention kernel."""
-BLOCK_N = 64
-"""Keys per step of a program's loop."""
+BLOCK_N = 128
+"""Keys per step of an attention program's loop."""
+MAX_SPLIT = 1024
+"""The most stored keys one attention program walks."""
+
+
+def store_split(capacity: int) -> int:
+    """Stored keys per attention program for a store of ``capacity`` slots. A program
+    walks its split, then the combine walks every split's partial, one after the other,
+    so their sum is least where the split is near the square root of the capacity; twice
+    that, a power of two, was best at the benchmark model's shapes (docs/BENCHMARKS.md).
+    A shape, not the store's length: the launches stay the same from step to step."""
+    split = triton.next_power_of_2(math.ceil(2 * math.sqrt(capacity)))
+    return min(MAX_SPLIT, max(BLOCK_N, split))
 
 
 @triton.jit
@@ -172,7 +184,8 @@ def hybrid_attention_decode(q: torch.Tensor, store_k: torch.Tensor, store_v: tor
         chunk_k, chunk_v = chunk_k.contiguous(), chunk_v.contiguous()
     else:  # no open chunk and no split for it: the store's tensors stand in, never read
         chunk_k, chunk_v, chunk_len = store_k, store_v, store_len
-    n_store = triton.cdiv(capacity, SPLIT)
+    split = store_split(capacity)
+    n_store = triton.cdiv(capacity, split)
     n_splits = n_store + own
     dev = q.device
     m = empty(batch * hq, n_splits, dtype=torch.float32, device=dev)
@@ -182,7 +195,7 @@ def hybrid_attention_decode(q: torch.Tensor, store_k: torch.Tensor, store_v: tor
         q.contiguous(), store_k, store_v, store_len.contiguous(), chunk_k, chunk_v, chunk_len,
         m, total, acc, scale * LOG2E, n_splits, n_store, capacity, HQ=hq, H=heads, R=r, D=d_k,
         DV=d_v, BD=triton.next_power_of_2(d_k), BDV=triton.next_power_of_2(d_v),
-        C_OWN=chunk_k.shape[2] if own else 0, SPLIT=SPLIT, BLOCK_N=BLOCK_N)
+        C_OWN=chunk_k.shape[2] if own else 0, SPLIT=split, BLOCK_N=BLOCK_N, num_warps=4)
     out = empty(batch, hq, d_v, dtype=store_v.dtype, device=dev)
     _attn_combine_kernel[(batch * hq,)](m, total, acc, out, n_splits, DV=d_v,
                                         BDV=triton.next_power_of_2(d_v), BS=64)

@@ -69,7 +69,8 @@ def on_gpu(cases: list[tuple]) -> list:
 ATTENTION_CASES = [
     # batch, heads, r, capacity, chunk, Dk, Dv, chunk_len (None: no open chunk), dtype
     (2, 2, 2, 20, 16, 16, 8, 1, torch.float32),
-    (1, 3, 1, 300, 32, 32, 32, 32, torch.float16),  # two store splits
+    (1, 3, 1, 300, 32, 32, 32, 32, torch.float16),  # three store splits of 128 keys
+    (1, 2, 1, 5000, 16, 16, 16, 5, torch.float32),   # splits of 256 keys
     (2, 2, 2, 64, 16, 24, 16, 9, torch.float32),     # a head width that is no power of two
     (2, 4, 1, 70, 0, 16, 16, None, torch.float16),   # a plain softmax layer's cache
 ] if not CUDA else on_gpu([
