@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -316,9 +317,9 @@ def _line(row: dict[str, Any]) -> str:
     return f"{head} {row['ms_per_token']:8.3f} ms/token, KV {row['kv_bytes'] / 2**20:.1f} MiB"
 
 
-def ratio_table(report: dict[str, Any]) -> str:
-    """Markdown: per measure and length, each variant's figure and its ratio to the
-    transformer's (tokens/s: higher is better; prefill and decode ms: lower is better)."""
+def _figures(report: dict[str, Any]):
+    """Each row's figure by (variant, measure, length), the (measure, length) columns in
+    order, and their units."""
     value = {"train": "tokens_per_s", "prefill": "ms", "decode": "ms_per_token"}
     rows = [r for r in report["rows"] if not r.get("oom")]
     got = {(r["variant"], r["measure"], r["length"]): r[value[r["measure"]]] for r in rows}
@@ -326,8 +327,15 @@ def ratio_table(report: dict[str, Any]) -> str:
     columns = sorted({(r["measure"], r["length"]) for r in report["rows"]},
                      key=lambda k: (order.index(k[0]), k[1]))
     units = {"train": "tokens/s", "prefill": "ms", "decode": "ms/token"}
-    lines = ["| variant | " + " | ".join(f"{m} {n:,} ({units[m]})" for m, n in columns)
-             + " |", "|---" * (len(columns) + 1) + "|"]
+    header = ["| variant | " + " | ".join(f"{m} {n:,} ({units[m]})" for m, n in columns)
+              + " |", "|---" * (len(columns) + 1) + "|"]
+    return got, columns, header
+
+
+def ratio_table(report: dict[str, Any]) -> str:
+    """Markdown: per measure and length, each variant's figure and its ratio to the
+    transformer's (tokens/s: higher is better; prefill and decode ms: lower is better)."""
+    got, columns, lines = _figures(report)
     for name in dict.fromkeys(r["variant"] for r in report["rows"]):
         cells = []
         for measure, length in columns:
@@ -335,5 +343,28 @@ def ratio_table(report: dict[str, Any]) -> str:
             base = got.get(("transformer", measure, length))
             cells.append("oom" if v is None else f"{v:.4g}" if not base
                          else f"{v:.4g} ({v / base:.2f}x)")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def hybrid_ratio_table(report: dict[str, Any]) -> str:
+    """Markdown: each NAtS-L variant's figure as ratios to the all-linear model's and to
+    the layer hybrid's of the same softmax share (``-`` where the run has none or either
+    ran out of memory), per measure and length: whether the token-level hybrid costs what
+    its share of softmax does."""
+    got, columns, lines = _figures(report)
+    lines[0] = lines[0].replace("| variant |", "| x all-linear / x layer hybrid |", 1)
+    shares = {r["variant"]: r["softmax_share"] for r in report["rows"]}
+    for name, share in shares.items():
+        if not name.startswith("nats@"):
+            continue
+        hybrid = next((n for n, s in shares.items()
+                       if n.startswith("layer-hybrid@") and math.isclose(s, share)), None)
+        cells = []
+        for measure, length in columns:
+            v = got.get((name, measure, length))
+            ratios = [got.get((other, measure, length)) for other in ("all-linear", hybrid)]
+            cells.append(" / ".join("-" if v is None or not base else f"{v / base:.2f}x"
+                                    for base in ratios))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

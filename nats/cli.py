@@ -188,7 +188,12 @@ def _bench_decode(args: argparse.Namespace) -> int:
 
 
 def _bench_model(args: argparse.Namespace) -> int:
-    from nats.evaluation.model_bench import default_config, ratio_table, run_model_benchmark
+    from nats.evaluation.model_bench import (
+        default_config,
+        hybrid_ratio_table,
+        ratio_table,
+        run_model_benchmark,
+    )
 
     config = default_config(
         args.device, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
@@ -200,6 +205,9 @@ def _bench_model(args: argparse.Namespace) -> int:
         cuda_graph=args.cuda_graph)
     report = run_model_benchmark(config, args.out)
     print(ratio_table(report))
+    if any(v.startswith("nats@") for v in {r["variant"] for r in report["rows"]}):
+        print()
+        print(hybrid_ratio_table(report))
     print(f"nats: wrote {args.out}")
     return 0
 

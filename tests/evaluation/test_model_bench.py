@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 
 from nats.cli import main
-from nats.evaluation.model_bench import ModelBenchConfig, ratio_table, run_model_benchmark, variants
+from nats.evaluation.model_bench import (
+    ModelBenchConfig,
+    hybrid_ratio_table,
+    ratio_table,
+    run_model_benchmark,
+    variants,
+)
 
 SMALL = dict(d_model=32, n_layers=4, n_heads=2, head_dim=16, vocab_size=64, chunk_size=16,
              fractions=(0.0, 0.25, 1.0), layer_hybrid_shares=(0.25,), train_lens=(32,),
@@ -50,6 +56,30 @@ def test_the_forms_and_what_they_hold(tmp_path: Path) -> None:
     assert table.splitlines()[2].startswith("| transformer | ") and "(1.00x)" in table
 
 
+def test_the_hybrid_ratios_are_to_the_all_linear_model_and_the_same_share() -> None:
+    """Each NAtS-L variant over the all-linear model and over the layer hybrid of its own
+    softmax share; a dash where that figure is missing (no such hybrid, out of memory)."""
+    def row(variant: str, share: float, measure: str, length: int, **figure: float):
+        return dict(variant=variant, softmax_share=share, measure=measure, length=length,
+                    **figure)
+
+    report = {"rows": [
+        row("transformer", 1.0, "decode", 8192, ms_per_token=2.0),
+        row("all-linear", 0.0, "train", 4096, tokens_per_s=200.0),
+        row("all-linear", 0.0, "decode", 8192, ms_per_token=0.5),
+        row("nats@0.25", 0.25, "train", 4096, tokens_per_s=150.0),
+        row("nats@0.25", 0.25, "decode", 8192, ms_per_token=1.1),
+        row("nats@0.5", 0.5, "train", 4096, oom=True),
+        row("nats@0.5", 0.5, "decode", 8192, ms_per_token=1.5),
+        row("layer-hybrid@0.25", 0.25, "train", 4096, tokens_per_s=180.0),
+        row("layer-hybrid@0.25", 0.25, "decode", 8192, ms_per_token=1.0)]}
+    assert hybrid_ratio_table(report).splitlines() == [
+        "| x all-linear / x layer hybrid | train 4,096 (tokens/s) | decode 8,192 (ms/token) |",
+        "|---|---|---|",
+        "| nats@0.25 | 0.75x / 0.83x | 2.20x / 1.10x |",
+        "| nats@0.5 | - / - | 3.00x / - |"]
+
+
 def test_the_command_and_its_refusals(tmp_path: Path, capsys) -> None:
     args = ["bench", "model", "--device", "cpu", "--d-model", "32", "--n-layers", "2",
             "--n-heads", "2", "--head-dim", "16", "--vocab-size", "64", "--chunk-size", "16",
@@ -59,6 +89,7 @@ def test_the_command_and_its_refusals(tmp_path: Path, capsys) -> None:
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "| nats@0.25 | " in out and f"wrote {tmp_path / 'm.json'}" in out
+    assert "| x all-linear / x layer hybrid | " in out
     assert main([*args, "--head-dim", "8"]) == 2  # 2 x 8 is not the width
     assert "n_heads x head_dim must be d_model" in capsys.readouterr().err
     assert main([*args, "--fractions", "1.5"]) == 2
