@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .ops import Backend, resolve_backend
+from .ops import Backend, check_decay_parameters, resolve_backend
 from .reference import decode as reference
 
 
@@ -85,10 +85,8 @@ def linear_gates_step(x: torch.Tensor, w_a: torch.Tensor | None, a_log: torch.Te
     if any(w.shape != (heads, x.shape[1]) for w in weights):
         raise ValueError(f"linear_gates_step needs weights [H, D] with D = {x.shape[1]}, got "
                          f"{[list(w.shape) for w in weights]}")
-    if w_a is not None and not (a_log is not None and dt_bias is not None
-                                and a_log.shape == dt_bias.shape == (heads,)):
-        raise ValueError(f"linear_gates_step needs a_log and dt_bias of shape [{heads}] "
-                         f"with w_a")
+    if w_a is not None:
+        check_decay_parameters("linear_gates_step", "w_a", heads, a_log, dt_bias)
     fast = _triton(backend, x)
     return (reference if fast is None else fast).linear_gates_step(x, w_a, a_log, dt_bias, w_b)
 

@@ -160,11 +160,18 @@ def linear_gates(a: torch.Tensor | None, a_log: torch.Tensor | None,
     x = a if a is not None else b
     if x is None:
         return None, None
-    heads = x.shape[-1]
-    if a is not None and not (a_log is not None and dt_bias is not None
-                              and a_log.shape == dt_bias.shape == (heads,)):
-        raise ValueError(f"linear_gates needs a_log and dt_bias of shape [{heads}] with a")
+    if a is not None:
+        check_decay_parameters("linear_gates", "a", x.shape[-1], a_log, dt_bias)
     return _fused(backend, x, "gates").linear_gates(a, a_log, dt_bias, b)
+
+
+def check_decay_parameters(op: str, given: str, heads: int, a_log: torch.Tensor | None,
+                           dt_bias: torch.Tensor | None) -> None:
+    """Raise unless ``a_log`` and ``dt_bias`` are ``[heads]``, as the decay gate ``given``
+    to ``op`` needs them."""
+    if not (a_log is not None and dt_bias is not None
+            and a_log.shape == dt_bias.shape == (heads,)):
+        raise ValueError(f"{op} needs a_log and dt_bias of shape [{heads}] with {given}")
 
 
 def moments_accumulate(x: torch.Tensor, pending: torch.Tensor, *,
