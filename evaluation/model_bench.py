@@ -317,9 +317,9 @@ def _line(row: dict[str, Any]) -> str:
     return f"{head} {row['ms_per_token']:8.3f} ms/token, KV {row['kv_bytes'] / 2**20:.1f} MiB"
 
 
-def _figures(report: dict[str, Any]):
+def _figures(report: dict[str, Any], first_column: str):
     """Each row's figure by (variant, measure, length), the (measure, length) columns in
-    order, and their units."""
+    order, and a Markdown table's header over them after ``first_column``."""
     value = {"train": "tokens_per_s", "prefill": "ms", "decode": "ms_per_token"}
     rows = [r for r in report["rows"] if not r.get("oom")]
     got = {(r["variant"], r["measure"], r["length"]): r[value[r["measure"]]] for r in rows}
@@ -327,7 +327,7 @@ def _figures(report: dict[str, Any]):
     columns = sorted({(r["measure"], r["length"]) for r in report["rows"]},
                      key=lambda k: (order.index(k[0]), k[1]))
     units = {"train": "tokens/s", "prefill": "ms", "decode": "ms/token"}
-    header = ["| variant | " + " | ".join(f"{m} {n:,} ({units[m]})" for m, n in columns)
+    header = [f"| {first_column} | " + " | ".join(f"{m} {n:,} ({units[m]})" for m, n in columns)
               + " |", "|---" * (len(columns) + 1) + "|"]
     return got, columns, header
 
@@ -335,7 +335,7 @@ def _figures(report: dict[str, Any]):
 def ratio_table(report: dict[str, Any]) -> str:
     """Markdown: per measure and length, each variant's figure and its ratio to the
     transformer's (tokens/s: higher is better; prefill and decode ms: lower is better)."""
-    got, columns, lines = _figures(report)
+    got, columns, lines = _figures(report, "variant")
     for name in dict.fromkeys(r["variant"] for r in report["rows"]):
         cells = []
         for measure, length in columns:
@@ -352,8 +352,7 @@ def hybrid_ratio_table(report: dict[str, Any]) -> str:
     the layer hybrid's of the same softmax share (``-`` where the run has none or either
     ran out of memory), per measure and length: whether the token-level hybrid costs what
     its share of softmax does."""
-    got, columns, lines = _figures(report)
-    lines[0] = lines[0].replace("| variant |", "| x all-linear / x layer hybrid |", 1)
+    got, columns, lines = _figures(report, "x all-linear / x layer hybrid")
     shares = {r["variant"]: r["softmax_share"] for r in report["rows"]}
     for name, share in shares.items():
         if not name.startswith("nats@"):
