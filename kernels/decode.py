@@ -91,6 +91,23 @@ def linear_gates_step(x: torch.Tensor, w_a: torch.Tensor | None, a_log: torch.Te
     return (reference if fast is None else fast).linear_gates_step(x, w_a, a_log, dt_bias, w_b)
 
 
+def merge_step(q: torch.Tensor, mix_weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+               gamma: torch.Tensor, eps: float, norm_a: bool, norm_b: bool,
+               out_dtype: torch.dtype, *, backend: Backend = "auto") -> torch.Tensor:
+    """The NAtS-L merge of one token's branches ``a``, ``b`` ``[B, Hq, D]`` with its mix
+    logits, the product of ``q`` ``[B, Dq]`` by ``mix_weight`` ``[2 Hq, Dq]``, taken in the
+    same launch; see :func:`.reference.decode.merge_step`."""
+    if a.dim() != 3 or b.shape != a.shape or q.dim() != 2 or q.shape[0] != a.shape[0] \
+            or mix_weight.shape != (2 * a.shape[1], q.shape[1]) or gamma.shape != a.shape[2:]:
+        raise ValueError(f"merge_step needs q [B, Dq], mix_weight [2 Hq, Dq], a and b "
+                         f"[B, Hq, D], gamma [D]; got {list(q.shape)}, "
+                         f"{list(mix_weight.shape)}, {list(a.shape)}, {list(b.shape)}, "
+                         f"{list(gamma.shape)}")
+    fast = _triton(backend, a)
+    return (reference if fast is None else fast).merge_step(q, mix_weight, a, b, gamma, eps,
+                                                            norm_a, norm_b, out_dtype)
+
+
 def short_conv_step(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, *,
                     backend: Backend = "auto") -> torch.Tensor:
     """See :func:`.reference.decode.short_conv_step`."""

@@ -12,6 +12,7 @@ import torch
 from .chunks import compute_dtype
 from .gates import linear_gates
 from .linear_attention import elu_feature_map
+from .norms import merge_branches
 from .short_conv import short_conv
 
 
@@ -120,6 +121,18 @@ def linear_gates_step(x: torch.Tensor, w_a: torch.Tensor | None, a_log: torch.Te
     a = None if w_a is None else x.to(dt) @ w_a.to(dt).T
     b = None if w_b is None else x.to(dt) @ w_b.to(dt).T
     return linear_gates(a, a_log, dt_bias, b)
+
+
+def merge_step(q: torch.Tensor, mix_weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+               gamma: torch.Tensor, eps: float, norm_a: bool, norm_b: bool,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """One token's merge of its branches ``a``, ``b`` ``[B, Hq, D]``: :func:`.norms.merge_branches`
+    with the logits of ``q`` ``[B, Dq]`` by ``mix_weight`` ``[2 Hq, Dq]`` (row ``2 j + i``:
+    head ``j``'s logit of branch ``i``). The product is taken in float32 (float64 for
+    float64 inputs), not rounded to ``q``'s dtype first, as the Triton step takes it."""
+    dt = compute_dtype(q)
+    logits = (q.to(dt) @ mix_weight.to(dt).T).view(*a.shape[:-1], 2)
+    return merge_branches(a, b, logits, gamma, eps, norm_a, norm_b, out_dtype, logits=True)
 
 
 def short_conv_step(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

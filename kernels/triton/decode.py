@@ -13,6 +13,8 @@ are the whole cost):
 * :func:`linear_gates_step`: one launch makes a token's gates from the layer's input,
   the two narrow projections included (as two small products they were four cuBLAS
   launches, a dot and a reduction each, before the gates' own).
+* :func:`merge_step`: one launch takes a token's mix logits (its own small product) and
+  merges the two branches with them.
 * :func:`hybrid_attention_decode`: split-K ("flash decoding"). The store is cut into
   splits of :func:`store_split` keys, plus one split for the open chunk if there is one
   (the plain softmax layer has none); each program runs an online softmax over its keys
@@ -33,10 +35,17 @@ from .gates import softplus
 from .utils import empty
 
 LOG2E = 1.4426950408889634
-BLOCK_N = 128
-"""Keys per step of an attention program's loop."""
+MIN_SPLIT = 128
+"""The fewest stored keys one attention program walks."""
 MAX_SPLIT = 1024
 """The most stored keys one attention program walks."""
+
+
+def keys_per_step(head_width: int) -> int:
+    """Keys per step of an attention program's loop: 128 at heads of 64, which the sweep
+    in docs/BENCHMARKS.md measured best, and as many fewer at wider heads as keep the
+    ``[keys, width]`` tiles of keys and values that size (in registers, not spilled)."""
+    return max(16, min(128, 8192 // triton.next_power_of_2(head_width)))
 
 
 def store_split(capacity: int) -> int:
@@ -46,7 +55,7 @@ def store_split(capacity: int) -> int:
     that, a power of two, was best at the benchmark model's shapes (docs/BENCHMARKS.md).
     A shape, not the store's length: the launches stay the same from step to step."""
     split = triton.next_power_of_2(math.ceil(2 * math.sqrt(capacity)))
-    return min(MAX_SPLIT, max(BLOCK_N, split))
+    return min(MAX_SPLIT, max(MIN_SPLIT, split))
 
 
 @triton.jit
@@ -195,7 +204,8 @@ def hybrid_attention_decode(q: torch.Tensor, store_k: torch.Tensor, store_v: tor
         q.contiguous(), store_k, store_v, store_len.contiguous(), chunk_k, chunk_v, chunk_len,
         m, total, acc, scale * LOG2E, n_splits, n_store, capacity, HQ=hq, H=heads, R=r, D=d_k,
         DV=d_v, BD=triton.next_power_of_2(d_k), BDV=triton.next_power_of_2(d_v),
-        C_OWN=chunk_k.shape[2] if own else 0, SPLIT=split, BLOCK_N=BLOCK_N, num_warps=4)
+        C_OWN=chunk_k.shape[2] if own else 0, SPLIT=split,
+        BLOCK_N=keys_per_step(max(d_k, d_v)), num_warps=4)
     out = empty(batch, hq, d_v, dtype=store_v.dtype, device=dev)
     _attn_combine_kernel[(batch * hq,)](m, total, acc, out, n_splits, DV=d_v,
                                         BDV=triton.next_power_of_2(d_v), BS=64)
@@ -204,32 +214,27 @@ def hybrid_attention_decode(q: torch.Tensor, store_k: torch.Tensor, store_v: tor
 
 @triton.jit
 def _gates_step_kernel(X, WA, A_LOG, DT_BIAS, WB, G, BETA, x_stride, d_model, heads,
-                       DECAY: tl.constexpr, WRITE: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_D: tl.constexpr):
-    """Batch row ``b``: both projections of its input, then the gates (float32 throughout)."""
-    b = tl.program_id(0)
-    h = tl.arange(0, BLOCK_H)
-    ok_h = h < heads
-    acc_a = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_H], dtype=tl.float32)
+                       DECAY: tl.constexpr, WRITE: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Head ``h`` of batch row ``b``: its rows of both projections, then its gates (float32
+    throughout). A program per head, not per row: one program walking every head's
+    weight rows was the step's slowest small kernel."""
+    b, h = tl.program_id(0), tl.program_id(1)
+    acc_a = tl.zeros([BLOCK_D], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_D], dtype=tl.float32)
     for d0 in range(0, d_model, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
-        ok_d = d < d_model
-        x = tl.load(X + b.to(tl.int64) * x_stride + d, mask=ok_d, other=0.0).to(tl.float32)
-        at = h[:, None] * d_model + d[None, :]
-        ok = ok_h[:, None] & ok_d[None, :]
+        ok = d < d_model
+        x = tl.load(X + b.to(tl.int64) * x_stride + d, mask=ok, other=0.0).to(tl.float32)
         if DECAY:
-            w = tl.load(WA + at, mask=ok, other=0.0).to(tl.float32)
-            acc_a += tl.sum(w * x[None, :], 1)
+            acc_a += tl.load(WA + h * d_model + d, mask=ok, other=0.0).to(tl.float32) * x
         if WRITE:
-            w = tl.load(WB + at, mask=ok, other=0.0).to(tl.float32)
-            acc_b += tl.sum(w * x[None, :], 1)
+            acc_b += tl.load(WB + h * d_model + d, mask=ok, other=0.0).to(tl.float32) * x
     if DECAY:
-        pre = acc_a + tl.load(DT_BIAS + h, mask=ok_h, other=0.0).to(tl.float32)
-        rate = tl.exp(tl.load(A_LOG + h, mask=ok_h, other=0.0).to(tl.float32))
-        tl.store(G + b * heads + h, -rate * softplus(pre), mask=ok_h)
+        pre = tl.sum(acc_a, 0) + tl.load(DT_BIAS + h).to(tl.float32)
+        rate = tl.exp(tl.load(A_LOG + h).to(tl.float32))
+        tl.store(G + b * heads + h, -rate * softplus(pre))
     if WRITE:
-        tl.store(BETA + b * heads + h, tl.sigmoid(acc_b), mask=ok_h)
+        tl.store(BETA + b * heads + h, tl.sigmoid(tl.sum(acc_b, 0)))
 
 
 def linear_gates_step(x: torch.Tensor, w_a: torch.Tensor | None, a_log: torch.Tensor | None,
@@ -245,13 +250,63 @@ def linear_gates_step(x: torch.Tensor, w_a: torch.Tensor | None, a_log: torch.Te
     f32 = dict(dtype=torch.float32, device=x.device)
     g = None if w_a is None else empty(batch, heads, **f32)
     beta = None if w_b is None else empty(batch, heads, **f32)
-    block_h = triton.next_power_of_2(heads)
-    block_d = max(16, min(triton.next_power_of_2(d_model), 8192 // block_h))
-    _gates_step_kernel[(batch,)](
+    _gates_step_kernel[(batch, heads)](
         x, *(x if t is None else t.contiguous() for t in (w_a, a_log, dt_bias, w_b)),
         x if g is None else g, x if beta is None else beta, x.stride(0), d_model, heads,
-        DECAY=w_a is not None, WRITE=w_b is not None, BLOCK_H=block_h, BLOCK_D=block_d)
+        DECAY=w_a is not None, WRITE=w_b is not None,
+        BLOCK_D=min(1024, triton.next_power_of_2(d_model)))
     return g, beta
+
+
+@triton.jit
+def _merge_step_kernel(Q, W, A, B, GAMMA, Y, q_stride, d_q, dim, eps, HQ: tl.constexpr,
+                       NORM_A: tl.constexpr, NORM_B: tl.constexpr, BLOCK_Q: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
+    """Head ``j`` of batch row ``b``: its two logits from ``q``'s row, then the merge of its
+    branch rows as in ``norms._merge_fwd`` (float32 throughout)."""
+    i = tl.program_id(0)  # b * HQ + j
+    b, j = i // HQ, i % HQ
+    acc_a = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    for d0 in range(0, d_q, BLOCK_Q):
+        d = d0 + tl.arange(0, BLOCK_Q)
+        ok = d < d_q
+        q = tl.load(Q + b.to(tl.int64) * q_stride + d, mask=ok, other=0.0).to(tl.float32)
+        acc_a += tl.load(W + (2 * j) * d_q + d, mask=ok, other=0.0).to(tl.float32) * q
+        acc_b += tl.load(W + (2 * j + 1) * d_q + d, mask=ok, other=0.0).to(tl.float32) * q
+    la, lb = tl.sum(acc_a, 0), tl.sum(acc_b, 0)
+    top = tl.maximum(la, lb)
+    ea, eb = tl.exp(la - top), tl.exp(lb - top)
+    cols = tl.arange(0, BLOCK_D)
+    ok = cols < dim
+    row = i.to(tl.int64) * dim + cols
+    a = tl.load(A + row, mask=ok, other=0.0).to(tl.float32)
+    v = tl.load(B + row, mask=ok, other=0.0).to(tl.float32)
+    if NORM_A:
+        a = a / tl.sqrt(tl.sum(a * a, 0) / dim + eps)
+    if NORM_B:
+        v = v / tl.sqrt(tl.sum(v * v, 0) / dim + eps)
+    gamma = tl.load(GAMMA + cols, mask=ok, other=0.0).to(tl.float32)
+    y = (ea * a + eb * v) / (ea + eb) * gamma
+    tl.store(Y + row, y.to(Y.dtype.element_ty), mask=ok)
+
+
+def merge_step(q: torch.Tensor, mix_weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+               gamma: torch.Tensor, eps: float, norm_a: bool, norm_b: bool,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """See :func:`nats.kernels.reference.decode.merge_step` (no backward: a decode step runs
+    without gradients). ``q`` may be a view with strided rows (a slice of a fused
+    projection)."""
+    batch, hq, dim = a.shape
+    d_q = q.shape[1]
+    if q.stride(1) != 1:
+        q = q.contiguous()
+    y = empty(batch, hq, dim, dtype=out_dtype, device=a.device)
+    _merge_step_kernel[(batch * hq,)](
+        q, mix_weight.contiguous(), a.contiguous(), b.contiguous(), gamma, y, q.stride(0), d_q,
+        dim, eps, HQ=hq, NORM_A=norm_a, NORM_B=norm_b,
+        BLOCK_Q=min(1024, triton.next_power_of_2(d_q)), BLOCK_D=triton.next_power_of_2(dim))
+    return y
 
 
 @triton.jit

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nats.kernels import decode, linear_gates, short_conv
+from nats.kernels import decode, linear_gates, merge_branches, short_conv
 from nats.kernels.reference import decode as ref
 
 from .inputs import CUDA, DEVICE, check, gdr_inputs
@@ -73,8 +73,12 @@ ATTENTION_CASES = [
     (1, 2, 1, 5000, 16, 16, 16, 5, torch.float32),   # splits of 256 keys
     (2, 2, 2, 64, 16, 24, 16, 9, torch.float32),     # a head width that is no power of two
     (2, 4, 1, 70, 0, 16, 16, None, torch.float16),   # a plain softmax layer's cache
+    (1, 2, 1, 300, 8, 128, 128, 7, torch.float32),   # wide heads: 64 keys per loop step
+    (1, 1, 2, 200, 8, 256, 160, 3, torch.float32),   # 32 keys per step
 ] if not CUDA else on_gpu([
     (1, 16, 2, 8192, 64, 64, 64, 37, torch.bfloat16),
+    (1, 8, 1, 8192, 64, 128, 128, 50, torch.bfloat16),
+    (1, 16, 1, 40_000, 0, 128, 128, None, torch.bfloat16),
     (4, 16, 2, 2048, 64, 64, 64, 64, torch.bfloat16),
     (1, 32, 1, 100_000, 0, 64, 64, None, torch.bfloat16),
 ])
@@ -300,3 +304,59 @@ def test_gates_step_one_line_errors() -> None:
     with pytest.raises(ValueError, match=r"a_log and dt_bias of shape \[4\]"):
         decode.linear_gates_step(x, w_a, a_log[:3], dt_bias, w_b)
     assert decode.linear_gates_step(x, None, None, None, None) == (None, None)
+
+
+def _merge_inputs(batch: int, hq: int, d_q: int, dim: int, dtype: torch.dtype, seed: int,
+                  ) -> tuple[torch.Tensor, ...]:
+    """q as a strided row view of a wider buffer (a slice of the fused projection), the mix
+    weight, both branches (the linear one in float32, as its step returns it) and gamma."""
+    gen = torch.Generator().manual_seed(seed)
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+    q = torch.cat([randn(batch, d_q), randn(batch, d_q)], -1)[:, d_q:].to(DEVICE, dtype)
+    mix = (randn(2 * hq, d_q) * d_q**-0.5 * 3).to(DEVICE, dtype)
+    a = (randn(batch, hq, dim) * 2).to(DEVICE)
+    b = randn(batch, hq, dim).to(DEVICE, dtype)
+    gamma = (1 + 0.3 * randn(dim)).to(DEVICE, dtype)
+    return q, mix, a, b, gamma
+
+
+def test_reference_merge_step_merges_with_the_mix_logits() -> None:
+    """The step's merge is the parallel form's for the token's mix projection."""
+    q, mix, a, b, gamma = _merge_inputs(3, 4, 24, 8, torch.float64, 0)
+    got = ref.merge_step(q, mix, a.double(), b, gamma, 1e-6, True, False, torch.float64)
+    logits = F.linear(q, mix).view(3, 4, 2)
+    want = merge_branches(a.double(), b, logits, gamma, 1e-6, True, False, torch.float64,
+                          logits=True, backend="reference")
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    w = torch.softmax(logits, -1)  # written out once: the weights are a softmax per head
+    torch.testing.assert_close(got[1, 2], (w[1, 2, 0] * F.rms_norm(a[1, 2].double(), (8,), eps=1e-6)
+                                           + w[1, 2, 1] * b[1, 2]) * gamma,
+                               rtol=1e-12, atol=1e-12)
+
+
+MERGE_STEP_CASES = [(2, 3, 40, 16, torch.float32), (1, 4, 1500, 24, LOW),
+                    ] if not CUDA else on_gpu([
+    (1, 12, 768, 64, torch.bfloat16), (4, 24, 768, 64, torch.bfloat16),
+    (2, 8, 2048, 128, torch.bfloat16), (3, 5, 1000, 40, torch.float32)])
+
+
+@pytest.mark.parametrize(("norm_a", "norm_b"), [(True, False), (True, True), (False, False)])
+@pytest.mark.parametrize(("batch", "hq", "d_q", "dim", "dtype"), MERGE_STEP_CASES)
+def test_triton_merge_step_matches_reference(norm_a: bool, norm_b: bool, batch: int, hq: int,
+                                             d_q: int, dim: int, dtype: torch.dtype) -> None:
+    q, mix, a, b, gamma = _merge_inputs(batch, hq, d_q, dim, dtype, d_q + dim)
+    got = decode.merge_step(q, mix, a, b, gamma, 1e-6, norm_a, norm_b, dtype, backend="triton")
+    want = ref.merge_step(q, mix, a, b, gamma, 1e-6, norm_a, norm_b, dtype)
+    assert got.dtype == dtype and got.shape == (batch, hq, dim)
+    # Both sides compute in float32 from the same inputs, in their own orders of summation;
+    # the output is then rounded to its dtype.
+    check(got, want, 1e-5 if dtype == torch.float32 else 1e-2, "y")
+
+
+def test_merge_step_one_line_errors() -> None:
+    q, mix, a, b, gamma = _merge_inputs(2, 3, 10, 4, torch.float32, 0)
+    with pytest.raises(ValueError, match=r"mix_weight \[2 Hq, Dq\]"):
+        decode.merge_step(q, mix[:5], a, b, gamma, 1e-6, True, False, torch.float32)
+    with pytest.raises(ValueError, match=r"a and b \[B, Hq, D\]"):
+        decode.merge_step(q, mix, a, b[:, :2], gamma, 1e-6, True, False, torch.float32)

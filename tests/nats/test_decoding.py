@@ -47,6 +47,23 @@ def test_decoding_scores_chunks_by_their_running_pool(pool, seq_len, prompt_len)
     assert rel_err(decode_logits(model, ids, prompt_len), full.logits) < 1e-12
 
 
+@pytest.mark.parametrize(("branch_norm", "r", "output_gate", "branch_gamma"),
+                         [("both", 2, "silu", False), ("linear", 1, "none", False),
+                          ("none", 4, "silu", False), ("both", 2, "none", True)])
+def test_decoding_merges_as_the_parallel_form(branch_norm, r, output_gate, branch_gamma):
+    """A step's merge (its mix logits inside the merge's launch, or the parallel form's
+    merge where each branch has its own weight) over the merge's settings."""
+    model = tiny_model(("nats", "nats"), rope=True, branch_norm=branch_norm,
+                       softmax_heads_per_head=r, output_gate=output_gate,
+                       branch_gamma=branch_gamma)
+    if branch_gamma:
+        with torch.no_grad():
+            for layer in model.nats_layers:
+                layer.softmax_gamma.uniform_(0.5, 1.5)
+    ids = torch.randint(0, 50, (3, 45), generator=torch.Generator().manual_seed(r))
+    assert rel_err(decode_logits(model, ids, 20), model(ids).logits) < 1e-12
+
+
 @pytest.mark.parametrize("gain", [None, 0.3])
 def test_decoding_divides_by_the_trained_softmax_scale(gain):
     """``branch_norm="scaled"``: decoding reads the running RMS a training step set (and
