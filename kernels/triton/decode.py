@@ -42,10 +42,10 @@ MAX_SPLIT = 1024
 
 
 def keys_per_step(head_width: int) -> int:
-    """Keys per step of an attention program's loop: 128 at heads of 64, which the sweep
-    in docs/BENCHMARKS.md measured best, and as many fewer at wider heads as keep the
-    ``[keys, width]`` tiles of keys and values that size (in registers, not spilled)."""
-    return max(16, min(128, 8192 // triton.next_power_of_2(head_width)))
+    """Keys per step of an attention program's loop: 128 up to heads of 128, which the
+    sweeps in docs/BENCHMARKS.md measured best (at 128 as fast as 64 or faster), and as
+    many fewer at wider heads, unmeasured, as keep the ``[keys, width]`` tiles that size."""
+    return max(16, min(128, 16384 // triton.next_power_of_2(head_width)))
 
 
 def store_split(capacity: int) -> int:

@@ -73,8 +73,8 @@ ATTENTION_CASES = [
     (1, 2, 1, 5000, 16, 16, 16, 5, torch.float32),   # splits of 256 keys
     (2, 2, 2, 64, 16, 24, 16, 9, torch.float32),     # a head width that is no power of two
     (2, 4, 1, 70, 0, 16, 16, None, torch.float16),   # a plain softmax layer's cache
-    (1, 2, 1, 300, 8, 128, 128, 7, torch.float32),   # wide heads: 64 keys per loop step
-    (1, 1, 2, 200, 8, 256, 160, 3, torch.float32),   # 32 keys per step
+    (1, 2, 1, 300, 8, 128, 128, 7, torch.float32),   # wide heads
+    (1, 1, 2, 200, 8, 256, 160, 3, torch.float32),   # 64 keys per loop step
 ] if not CUDA else on_gpu([
     (1, 16, 2, 8192, 64, 64, 64, 37, torch.bfloat16),
     (1, 8, 1, 8192, 64, 128, 128, 50, torch.bfloat16),
