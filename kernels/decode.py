@@ -12,6 +12,11 @@ import torch
 
 from .ops import Backend, check_decay_parameters, resolve_backend
 from .reference import decode as reference
+from .reference.decode import AttentionSplits
+
+__all__ = ["AttentionSplits", "append_to_open_chunk", "gated_delta_rule_step",
+           "gated_linear_attention_step", "hybrid_attention_decode", "hybrid_attention_splits",
+           "linear_attention_step", "linear_gates_step", "merge_step", "short_conv_step"]
 
 
 def _triton(backend: Backend, x: torch.Tensor):
@@ -70,6 +75,19 @@ def hybrid_attention_decode(q: torch.Tensor, store_k: torch.Tensor, store_v: tor
                                         chunk_len, scale)
 
 
+def hybrid_attention_splits(q: torch.Tensor, store_k: torch.Tensor, store_v: torch.Tensor,
+                            store_len: torch.Tensor, chunk_k: torch.Tensor | None = None,
+                            chunk_v: torch.Tensor | None = None,
+                            chunk_len: torch.Tensor | None = None, scale: float | None = None,
+                            *, backend: Backend = "auto") -> AttentionSplits:
+    """:func:`hybrid_attention_decode` without its last launch, for :func:`merge_step` to
+    finish; see :func:`.reference.decode.hybrid_attention_splits`."""
+    fast = _triton(backend, q)
+    impl = reference if fast is None else fast
+    return impl.hybrid_attention_splits(q, store_k, store_v, store_len, chunk_k, chunk_v,
+                                        chunk_len, scale)
+
+
 def linear_gates_step(x: torch.Tensor, w_a: torch.Tensor | None, a_log: torch.Tensor | None,
                       dt_bias: torch.Tensor | None, w_b: torch.Tensor | None, *,
                       backend: Backend = "auto",
@@ -91,17 +109,21 @@ def linear_gates_step(x: torch.Tensor, w_a: torch.Tensor | None, a_log: torch.Te
     return (reference if fast is None else fast).linear_gates_step(x, w_a, a_log, dt_bias, w_b)
 
 
-def merge_step(q: torch.Tensor, mix_weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-               gamma: torch.Tensor, eps: float, norm_a: bool, norm_b: bool,
-               out_dtype: torch.dtype, *, backend: Backend = "auto") -> torch.Tensor:
+def merge_step(q: torch.Tensor, mix_weight: torch.Tensor, a: torch.Tensor,
+               b: torch.Tensor | AttentionSplits, gamma: torch.Tensor, eps: float, norm_a: bool,
+               norm_b: bool, out_dtype: torch.dtype, *, backend: Backend = "auto",
+               ) -> torch.Tensor:
     """The NAtS-L merge of one token's branches ``a``, ``b`` ``[B, Hq, D]`` with its mix
     logits, the product of ``q`` ``[B, Dq]`` by ``mix_weight`` ``[2 Hq, Dq]``, taken in the
-    same launch; see :func:`.reference.decode.merge_step`."""
-    if a.dim() != 3 or b.shape != a.shape or q.dim() != 2 or q.shape[0] != a.shape[0] \
+    same launch, as is the combine of ``b`` where it comes as the softmax branch's
+    :class:`AttentionSplits`; see :func:`.reference.decode.merge_step`."""
+    b_shape = (*b.acc.shape[:2], b.acc.shape[-1]) if isinstance(b, AttentionSplits) \
+        else tuple(b.shape)
+    if a.dim() != 3 or b_shape != tuple(a.shape) or q.dim() != 2 or q.shape[0] != a.shape[0] \
             or mix_weight.shape != (2 * a.shape[1], q.shape[1]) or gamma.shape != a.shape[2:]:
         raise ValueError(f"merge_step needs q [B, Dq], mix_weight [2 Hq, Dq], a and b "
                          f"[B, Hq, D], gamma [D]; got {list(q.shape)}, "
-                         f"{list(mix_weight.shape)}, {list(a.shape)}, {list(b.shape)}, "
+                         f"{list(mix_weight.shape)}, {list(a.shape)}, {list(b_shape)}, "
                          f"{list(gamma.shape)}")
     fast = _triton(backend, a)
     return (reference if fast is None else fast).merge_step(q, mix_weight, a, b, gamma, eps,

@@ -7,6 +7,8 @@ value back to the host: the step can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .chunks import compute_dtype
@@ -76,20 +78,25 @@ def linear_attention_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return (o[..., :-1] / (o[..., -1:] + eps)).to(v.dtype), new_state
 
 
-def hybrid_attention_decode(q: torch.Tensor, store_k: torch.Tensor, store_v: torch.Tensor,
-                            store_len: torch.Tensor, chunk_k: torch.Tensor | None = None,
-                            chunk_v: torch.Tensor | None = None,
-                            chunk_len: torch.Tensor | None = None,
-                            scale: float | None = None) -> torch.Tensor:
-    """Softmax attention of one query per head over the stored keys and the open chunk.
+class AttentionSplits(NamedTuple):
+    """Softmax attention of one query per head before its normalisation, cut into splits of
+    its keys: per head and split, the largest base-2 logit ``max`` ``[B, Hq, S]`` (float32,
+    ``-inf`` for a split without keys), ``total``, the sum of ``2^(logit - max)``, and
+    ``acc`` ``[B, Hq, S, Dv]``, the values weighted by those. The attention is
+    ``sum_s 2^(max_s - M) acc_s / sum_s 2^(max_s - M) total_s`` with ``M`` the largest
+    ``max_s``, which a launch that takes the attention as its input can compute itself
+    (:func:`merge_step`), so the splits need no launch of their own to be combined."""
 
-    q ``[B, H*r, D]``; ``store_k`` ``[B, H, r, S, D]`` (``store_v`` ``[.., Dv]``) holds per
-    routing head its stored keys in order, of which the first ``store_len[b, h]`` (int
-    ``[B, H]``) are real; ``chunk_k`` ``[B, H*r, C, D]`` is the open chunk, of which the
-    first ``chunk_len`` (an int tensor of one element) are real. One softmax spans both
-    segments, which are never concatenated, so a step copies no cache. A plain softmax
-    layer is the case ``r = 1`` with no open chunk. Returns ``[B, H*r, Dv]`` in v's dtype.
-    """
+    max: torch.Tensor
+    total: torch.Tensor
+    acc: torch.Tensor
+
+
+def _attention(q: torch.Tensor, store_k: torch.Tensor, store_v: torch.Tensor,
+               store_len: torch.Tensor, chunk_k: torch.Tensor | None,
+               chunk_v: torch.Tensor | None, chunk_len: torch.Tensor | None,
+               scale: float | None) -> torch.Tensor:
+    """:func:`hybrid_attention_decode` in the compute dtype, not yet rounded to v's."""
     r, slots = store_k.shape[2:4]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     dt = compute_dtype(q)
@@ -105,9 +112,45 @@ def hybrid_attention_decode(q: torch.Tensor, store_k: torch.Tensor, store_v: tor
     scores = [torch.einsum("bhd,bhld->bhl", q, k.to(dt)).masked_fill(~ok, float("-inf"))
               for k, ok in zip(keys, valid, strict=True)]
     p = torch.softmax(torch.cat(scores, -1) * scale, -1).split([s.shape[-1] for s in scores], -1)
-    out = sum(torch.einsum("bhl,bhld->bhd", pi, v.to(dt)) for pi, v in zip(p, values,
-                                                                          strict=True))
-    return out.to(store_v.dtype)
+    return sum(torch.einsum("bhl,bhld->bhd", pi, v.to(dt)) for pi, v in zip(p, values,
+                                                                           strict=True))
+
+
+def hybrid_attention_decode(q: torch.Tensor, store_k: torch.Tensor, store_v: torch.Tensor,
+                            store_len: torch.Tensor, chunk_k: torch.Tensor | None = None,
+                            chunk_v: torch.Tensor | None = None,
+                            chunk_len: torch.Tensor | None = None,
+                            scale: float | None = None) -> torch.Tensor:
+    """Softmax attention of one query per head over the stored keys and the open chunk.
+
+    q ``[B, H*r, D]``; ``store_k`` ``[B, H, r, S, D]`` (``store_v`` ``[.., Dv]``) holds per
+    routing head its stored keys in order, of which the first ``store_len[b, h]`` (int
+    ``[B, H]``) are real; ``chunk_k`` ``[B, H*r, C, D]`` is the open chunk, of which the
+    first ``chunk_len`` (an int tensor of one element) are real. One softmax spans both
+    segments, which are never concatenated, so a step copies no cache. A plain softmax
+    layer is the case ``r = 1`` with no open chunk. Returns ``[B, H*r, Dv]`` in v's dtype.
+    """
+    return _attention(q, store_k, store_v, store_len, chunk_k, chunk_v, chunk_len,
+                      scale).to(store_v.dtype)
+
+
+def hybrid_attention_splits(q: torch.Tensor, store_k: torch.Tensor, store_v: torch.Tensor,
+                            store_len: torch.Tensor, chunk_k: torch.Tensor | None = None,
+                            chunk_v: torch.Tensor | None = None,
+                            chunk_len: torch.Tensor | None = None,
+                            scale: float | None = None) -> AttentionSplits:
+    """:func:`hybrid_attention_decode` as :class:`AttentionSplits`, in the compute dtype: here
+    one split, the normalised attention itself (maximum 0, total 1)."""
+    out = _attention(q, store_k, store_v, store_len, chunk_k, chunk_v, chunk_len, scale)
+    return AttentionSplits(out.new_zeros(*out.shape[:2], 1), out.new_ones(*out.shape[:2], 1),
+                           out[:, :, None])
+
+
+def combine_splits(splits: AttentionSplits) -> torch.Tensor:
+    """The attention ``[B, Hq, Dv]`` that ``splits`` hold, in their dtype."""
+    weight = torch.exp2(splits.max - splits.max.amax(-1, keepdim=True))
+    return ((weight[..., None] * splits.acc).sum(-2)
+            / (weight * splits.total).sum(-1, keepdim=True))
 
 
 def linear_gates_step(x: torch.Tensor, w_a: torch.Tensor | None, a_log: torch.Tensor | None,
@@ -123,13 +166,16 @@ def linear_gates_step(x: torch.Tensor, w_a: torch.Tensor | None, a_log: torch.Te
     return linear_gates(a, a_log, dt_bias, b)
 
 
-def merge_step(q: torch.Tensor, mix_weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-               gamma: torch.Tensor, eps: float, norm_a: bool, norm_b: bool,
-               out_dtype: torch.dtype) -> torch.Tensor:
+def merge_step(q: torch.Tensor, mix_weight: torch.Tensor, a: torch.Tensor,
+               b: torch.Tensor | AttentionSplits, gamma: torch.Tensor, eps: float, norm_a: bool,
+               norm_b: bool, out_dtype: torch.dtype) -> torch.Tensor:
     """One token's merge of its branches ``a``, ``b`` ``[B, Hq, D]``: :func:`.norms.merge_branches`
     with the logits of ``q`` ``[B, Dq]`` by ``mix_weight`` ``[2 Hq, Dq]`` (row ``2 j + i``:
     head ``j``'s logit of branch ``i``). The product is taken in float32 (float64 for
-    float64 inputs), not rounded to ``q``'s dtype first, as the Triton step takes it."""
+    float64 inputs), not rounded to ``q``'s dtype first, as the Triton step takes it; so is
+    the attention where ``b`` is given as its :class:`AttentionSplits`."""
+    if isinstance(b, AttentionSplits):
+        b = combine_splits(b)
     dt = compute_dtype(q)
     logits = (q.to(dt) @ mix_weight.to(dt).T).view(*a.shape[:-1], 2)
     return merge_branches(a, b, logits, gamma, eps, norm_a, norm_b, out_dtype, logits=True)

@@ -13,14 +13,16 @@ are the whole cost):
 * :func:`linear_gates_step`: one launch makes a token's gates from the layer's input,
   the two narrow projections included (as two small products they were four cuBLAS
   launches, a dot and a reduction each, before the gates' own).
-* :func:`merge_step`: one launch takes a token's mix logits (its own small product) and
-  merges the two branches with them.
-* :func:`hybrid_attention_decode`: split-K ("flash decoding"). The store is cut into
+* :func:`hybrid_attention_splits`: split-K ("flash decoding"). The store is cut into
   splits of :func:`store_split` keys, plus one split for the open chunk if there is one
   (the plain softmax layer has none); each program runs an online softmax over its keys
-  and writes its partial maximum, sum and weighted values; a second launch merges the
-  splits. The number of splits follows the store's capacity (a shape), not its length (a
-  device value), so the launches are the same every step.
+  and writes its partial maximum, sum and weighted values. The number of splits follows
+  the store's capacity (a shape), not its length (a device value), so the launches are
+  the same every step. :func:`hybrid_attention_decode` combines the splits in a second
+  launch.
+* :func:`merge_step`: one launch takes a token's mix logits (its own small product) and
+  merges the two branches with them, combining the softmax branch's splits where it is
+  given them, so that a NAtS-L layer's step launches no combine of its own.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..reference.decode import AttentionSplits
 from .gates import softplus
+from .norms import inv_rms, softmax_pair
 from .utils import empty
 
 LOG2E = 1.4426950408889634
@@ -146,12 +150,12 @@ def _attn_partial_kernel(Q, SK, SV, SLEN, CK, CV, CLEN, M_OUT, L_OUT, ACC_OUT, q
 
 
 @triton.jit
-def _attn_combine_kernel(M_IN, L_IN, ACC_IN, OUT, n_splits, DV: tl.constexpr,
-                         BDV: tl.constexpr, BS: tl.constexpr):
-    """Merge the splits of one query: rescale each to the overall maximum and normalise."""
-    i_bq = tl.program_id(0)
+def _combined(M_IN, L_IN, ACC_IN, row, n_splits, DV: tl.constexpr, BDV: tl.constexpr,
+              BS: tl.constexpr):
+    """The attention ``[BDV]`` (float32) of query row ``row`` from its splits: each rescaled
+    to the overall maximum, then the sum normalised."""
     o_dv = tl.arange(0, BDV)
-    base = i_bq * n_splits
+    base = row * n_splits
     top = tl.full([BS], float("-inf"), tl.float32)
     for s0 in range(0, n_splits, BS):
         o_s = s0 + tl.arange(0, BS)
@@ -168,16 +172,30 @@ def _attn_combine_kernel(M_IN, L_IN, ACC_IN, OUT, n_splits, DV: tl.constexpr,
         part = tl.load(ACC_IN + (base + o_s).to(tl.int64)[:, None] * DV + o_dv[None, :],
                        mask=ok[:, None] & (o_dv[None, :] < DV), other=0.0)
         acc += tl.sum(w[:, None] * part, 0)
-    tl.store(OUT + i_bq * DV + o_dv, (acc / tl.sum(total, 0)).to(OUT.dtype.element_ty),
-             mask=o_dv < DV)
+    return acc / tl.sum(total, 0)
 
 
-def hybrid_attention_decode(q: torch.Tensor, store_k: torch.Tensor, store_v: torch.Tensor,
+@triton.jit
+def _attn_combine_kernel(M_IN, L_IN, ACC_IN, OUT, n_splits, DV: tl.constexpr,
+                         BDV: tl.constexpr, BS: tl.constexpr):
+    """The attention of query row ``i_bq`` from its splits, in the output's dtype."""
+    i_bq = tl.program_id(0)
+    o_dv = tl.arange(0, BDV)
+    out = _combined(M_IN, L_IN, ACC_IN, i_bq, n_splits, DV, BDV, BS)
+    tl.store(OUT + i_bq * DV + o_dv, out.to(OUT.dtype.element_ty), mask=o_dv < DV)
+
+
+COMBINE_BLOCK = 64
+"""Splits one step of a combine's loop reads."""
+
+
+def hybrid_attention_splits(q: torch.Tensor, store_k: torch.Tensor, store_v: torch.Tensor,
                             store_len: torch.Tensor, chunk_k: torch.Tensor | None = None,
                             chunk_v: torch.Tensor | None = None,
                             chunk_len: torch.Tensor | None = None,
-                            scale: float | None = None) -> torch.Tensor:
-    """See :func:`nats.kernels.reference.decode.hybrid_attention_decode`."""
+                            scale: float | None = None) -> AttentionSplits:
+    """See :func:`nats.kernels.reference.decode.hybrid_attention_splits`: here a split of
+    :func:`store_split` stored keys per program, and one for the open chunk if there is one."""
     batch, heads, r, capacity, d_k = store_k.shape
     d_v = store_v.shape[-1]
     hq = heads * r
@@ -197,19 +215,50 @@ def hybrid_attention_decode(q: torch.Tensor, store_k: torch.Tensor, store_v: tor
     n_store = triton.cdiv(capacity, split)
     n_splits = n_store + own
     dev = q.device
-    m = empty(batch * hq, n_splits, dtype=torch.float32, device=dev)
-    total = empty(batch * hq, n_splits, dtype=torch.float32, device=dev)
-    acc = empty(batch * hq, n_splits, d_v, dtype=torch.float32, device=dev)
+    m = empty(batch, hq, n_splits, dtype=torch.float32, device=dev)
+    total = empty(batch, hq, n_splits, dtype=torch.float32, device=dev)
+    acc = empty(batch, hq, n_splits, d_v, dtype=torch.float32, device=dev)
     _attn_partial_kernel[(batch * hq, n_splits)](
         q.contiguous(), store_k, store_v, store_len.contiguous(), chunk_k, chunk_v, chunk_len,
         m, total, acc, scale * LOG2E, n_splits, n_store, capacity, HQ=hq, H=heads, R=r, D=d_k,
         DV=d_v, BD=triton.next_power_of_2(d_k), BDV=triton.next_power_of_2(d_v),
         C_OWN=chunk_k.shape[2] if own else 0, SPLIT=split,
         BLOCK_N=keys_per_step(max(d_k, d_v)), num_warps=4)
-    out = empty(batch, hq, d_v, dtype=store_v.dtype, device=dev)
-    _attn_combine_kernel[(batch * hq,)](m, total, acc, out, n_splits, DV=d_v,
-                                        BDV=triton.next_power_of_2(d_v), BS=64)
+    return AttentionSplits(m, total, acc)
+
+
+def hybrid_attention_decode(q: torch.Tensor, store_k: torch.Tensor, store_v: torch.Tensor,
+                            store_len: torch.Tensor, chunk_k: torch.Tensor | None = None,
+                            chunk_v: torch.Tensor | None = None,
+                            chunk_len: torch.Tensor | None = None,
+                            scale: float | None = None) -> torch.Tensor:
+    """See :func:`nats.kernels.reference.decode.hybrid_attention_decode`: the splits, then a
+    launch that combines them."""
+    splits = hybrid_attention_splits(q, store_k, store_v, store_len, chunk_k, chunk_v,
+                                     chunk_len, scale)
+    batch, hq, n_splits, d_v = splits.acc.shape
+    out = empty(batch, hq, d_v, dtype=store_v.dtype, device=q.device)
+    _attn_combine_kernel[(batch * hq,)](*splits, out, n_splits, DV=d_v,
+                                        BDV=triton.next_power_of_2(d_v), BS=COMBINE_BLOCK)
     return out
+
+
+@triton.jit
+def _two_dots(x_ptr, wa_ptr, wb_ptr, n, USE_A: tl.constexpr, USE_B: tl.constexpr,
+              BLOCK: tl.constexpr):
+    """The dots (float32) of the row ``x_ptr[:n]`` with the rows at ``wa_ptr`` and
+    ``wb_ptr``: a token's two logits of a narrow projection, or of two (0 where unused)."""
+    acc_a = tl.zeros([BLOCK], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK], dtype=tl.float32)
+    for d0 in range(0, n, BLOCK):
+        d = d0 + tl.arange(0, BLOCK)
+        ok = d < n
+        x = tl.load(x_ptr + d, mask=ok, other=0.0).to(tl.float32)
+        if USE_A:
+            acc_a += tl.load(wa_ptr + d, mask=ok, other=0.0).to(tl.float32) * x
+        if USE_B:
+            acc_b += tl.load(wb_ptr + d, mask=ok, other=0.0).to(tl.float32) * x
+    return tl.sum(acc_a, 0), tl.sum(acc_b, 0)
 
 
 @triton.jit
@@ -219,22 +268,14 @@ def _gates_step_kernel(X, WA, A_LOG, DT_BIAS, WB, G, BETA, x_stride, d_model, he
     throughout). A program per head, not per row: one program walking every head's
     weight rows was the step's slowest small kernel."""
     b, h = tl.program_id(0), tl.program_id(1)
-    acc_a = tl.zeros([BLOCK_D], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for d0 in range(0, d_model, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        ok = d < d_model
-        x = tl.load(X + b.to(tl.int64) * x_stride + d, mask=ok, other=0.0).to(tl.float32)
-        if DECAY:
-            acc_a += tl.load(WA + h * d_model + d, mask=ok, other=0.0).to(tl.float32) * x
-        if WRITE:
-            acc_b += tl.load(WB + h * d_model + d, mask=ok, other=0.0).to(tl.float32) * x
+    dot_a, dot_b = _two_dots(X + b.to(tl.int64) * x_stride, WA + h * d_model, WB + h * d_model,
+                             d_model, DECAY, WRITE, BLOCK_D)
     if DECAY:
-        pre = tl.sum(acc_a, 0) + tl.load(DT_BIAS + h).to(tl.float32)
+        pre = dot_a + tl.load(DT_BIAS + h).to(tl.float32)
         rate = tl.exp(tl.load(A_LOG + h).to(tl.float32))
         tl.store(G + b * heads + h, -rate * softplus(pre))
     if WRITE:
-        tl.store(BETA + b * heads + h, tl.sigmoid(tl.sum(acc_b, 0)))
+        tl.store(BETA + b * heads + h, tl.sigmoid(dot_b))
 
 
 def linear_gates_step(x: torch.Tensor, w_a: torch.Tensor | None, a_log: torch.Tensor | None,
@@ -259,41 +300,37 @@ def linear_gates_step(x: torch.Tensor, w_a: torch.Tensor | None, a_log: torch.Te
 
 
 @triton.jit
-def _merge_step_kernel(Q, W, A, B, GAMMA, Y, q_stride, d_q, dim, eps, HQ: tl.constexpr,
-                       NORM_A: tl.constexpr, NORM_B: tl.constexpr, BLOCK_Q: tl.constexpr,
-                       BLOCK_D: tl.constexpr):
+def _merge_step_kernel(Q, W, A, B, B_MAX, B_TOTAL, GAMMA, Y, q_stride, d_q, dim, n_splits, eps,
+                       HQ: tl.constexpr, NORM_A: tl.constexpr, NORM_B: tl.constexpr,
+                       SPLITS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_S: tl.constexpr):
     """Head ``j`` of batch row ``b``: its two logits from ``q``'s row, then the merge of its
-    branch rows as in ``norms._merge_fwd`` (float32 throughout)."""
+    branch rows as in ``norms._merge_fwd`` (float32 throughout), the softmax one combined
+    here from its splits (``B`` their weighted values) where ``SPLITS``."""
     i = tl.program_id(0)  # b * HQ + j
     b, j = i // HQ, i % HQ
-    acc_a = tl.zeros([BLOCK_Q], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_Q], dtype=tl.float32)
-    for d0 in range(0, d_q, BLOCK_Q):
-        d = d0 + tl.arange(0, BLOCK_Q)
-        ok = d < d_q
-        q = tl.load(Q + b.to(tl.int64) * q_stride + d, mask=ok, other=0.0).to(tl.float32)
-        acc_a += tl.load(W + (2 * j) * d_q + d, mask=ok, other=0.0).to(tl.float32) * q
-        acc_b += tl.load(W + (2 * j + 1) * d_q + d, mask=ok, other=0.0).to(tl.float32) * q
-    la, lb = tl.sum(acc_a, 0), tl.sum(acc_b, 0)
-    top = tl.maximum(la, lb)
-    ea, eb = tl.exp(la - top), tl.exp(lb - top)
+    la, lb = _two_dots(Q + b.to(tl.int64) * q_stride, W + (2 * j) * d_q, W + (2 * j + 1) * d_q,
+                       d_q, True, True, BLOCK_Q)
+    wa, wb = softmax_pair(la, lb)
     cols = tl.arange(0, BLOCK_D)
     ok = cols < dim
     row = i.to(tl.int64) * dim + cols
     a = tl.load(A + row, mask=ok, other=0.0).to(tl.float32)
-    v = tl.load(B + row, mask=ok, other=0.0).to(tl.float32)
+    if SPLITS:
+        v = _combined(B_MAX, B_TOTAL, B, i, n_splits, dim, BLOCK_D, BLOCK_S)
+    else:
+        v = tl.load(B + row, mask=ok, other=0.0).to(tl.float32)
     if NORM_A:
-        a = a / tl.sqrt(tl.sum(a * a, 0) / dim + eps)
+        a = a * inv_rms(a, dim, eps)
     if NORM_B:
-        v = v / tl.sqrt(tl.sum(v * v, 0) / dim + eps)
+        v = v * inv_rms(v, dim, eps)
     gamma = tl.load(GAMMA + cols, mask=ok, other=0.0).to(tl.float32)
-    y = (ea * a + eb * v) / (ea + eb) * gamma
-    tl.store(Y + row, y.to(Y.dtype.element_ty), mask=ok)
+    tl.store(Y + row, ((wa * a + wb * v) * gamma).to(Y.dtype.element_ty), mask=ok)
 
 
-def merge_step(q: torch.Tensor, mix_weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-               gamma: torch.Tensor, eps: float, norm_a: bool, norm_b: bool,
-               out_dtype: torch.dtype) -> torch.Tensor:
+def merge_step(q: torch.Tensor, mix_weight: torch.Tensor, a: torch.Tensor,
+               b: torch.Tensor | AttentionSplits, gamma: torch.Tensor, eps: float, norm_a: bool,
+               norm_b: bool, out_dtype: torch.dtype) -> torch.Tensor:
     """See :func:`nats.kernels.reference.decode.merge_step` (no backward: a decode step runs
     without gradients). ``q`` may be a view with strided rows (a slice of a fused
     projection)."""
@@ -301,11 +338,14 @@ def merge_step(q: torch.Tensor, mix_weight: torch.Tensor, a: torch.Tensor, b: to
     d_q = q.shape[1]
     if q.stride(1) != 1:
         q = q.contiguous()
+    splits = isinstance(b, AttentionSplits)
+    b_max, b_total, b = b if splits else (a, a, b.contiguous())  # a: never read
     y = empty(batch, hq, dim, dtype=out_dtype, device=a.device)
     _merge_step_kernel[(batch * hq,)](
-        q, mix_weight.contiguous(), a.contiguous(), b.contiguous(), gamma, y, q.stride(0), d_q,
-        dim, eps, HQ=hq, NORM_A=norm_a, NORM_B=norm_b,
-        BLOCK_Q=min(1024, triton.next_power_of_2(d_q)), BLOCK_D=triton.next_power_of_2(dim))
+        q, mix_weight.contiguous(), a.contiguous(), b, b_max, b_total, gamma, y, q.stride(0),
+        d_q, dim, b.shape[2] if splits else 1, eps, HQ=hq, NORM_A=norm_a, NORM_B=norm_b,
+        SPLITS=splits, BLOCK_Q=min(1024, triton.next_power_of_2(d_q)),
+        BLOCK_D=triton.next_power_of_2(dim), BLOCK_S=COMBINE_BLOCK)
     return y
 
 

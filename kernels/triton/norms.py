@@ -239,14 +239,26 @@ def rms_and_l2_norm(x: torch.Tensor, weight: torch.Tensor, parts: int, rms_eps: 
 
 
 @triton.jit
+def inv_rms(x, dim, eps):
+    """``1 / RMS`` of ``x`` over its last axis of ``dim`` real columns (the rest zeros)."""
+    return 1.0 / tl.sqrt(tl.sum(x * x, axis=-1) / dim + eps)
+
+
+@triton.jit
+def softmax_pair(la, lb):
+    """The two branch weights of the logits ``la``, ``lb``: their softmax."""
+    top = tl.maximum(la, lb)
+    ea, eb = tl.exp(la - top), tl.exp(lb - top)
+    return ea / (ea + eb), eb / (ea + eb)
+
+
+@triton.jit
 def _merge_weights(w_ptr, rows, row_ok, LOGITS: tl.constexpr):
     """The rows' two branch weights in float32: as given, or the softmax of the logits."""
     wa = tl.load(w_ptr + rows * 2, mask=row_ok, other=0.0).to(tl.float32)
     wb = tl.load(w_ptr + rows * 2 + 1, mask=row_ok, other=0.0).to(tl.float32)
     if LOGITS:
-        top = tl.maximum(wa, wb)
-        ea, eb = tl.exp(wa - top), tl.exp(wb - top)
-        wa, wb = ea / (ea + eb), eb / (ea + eb)
+        wa, wb = softmax_pair(wa, wb)
     return wa, wb
 
 
@@ -263,11 +275,11 @@ def _merge_fwd(a_ptr, b_ptr, w_ptr, gamma_ptr, y_ptr, ra_ptr, rb_ptr, n_rows, di
     a = tl.load(a_ptr + dense, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + dense, mask=mask, other=0.0).to(tl.float32)
     if NORM_A:
-        ra = 1.0 / tl.sqrt(tl.sum(a * a, axis=1) / dim + eps)
+        ra = inv_rms(a, dim, eps)
         a = a * ra[:, None]
         tl.store(ra_ptr + rows, ra, mask=row_ok)
     if NORM_B:
-        rb = 1.0 / tl.sqrt(tl.sum(b * b, axis=1) / dim + eps)
+        rb = inv_rms(b, dim, eps)
         b = b * rb[:, None]
         tl.store(rb_ptr + rows, rb, mask=row_ok)
     wa, wb = _merge_weights(w_ptr, rows, row_ok, LOGITS)

@@ -26,7 +26,13 @@ from nats.kernels import (
     merge_branches,
     rms_and_l2_norm,
 )
-from nats.kernels.decode import append_to_open_chunk, hybrid_attention_decode, merge_step
+from nats.kernels.decode import (
+    AttentionSplits,
+    append_to_open_chunk,
+    hybrid_attention_decode,
+    hybrid_attention_splits,
+    merge_step,
+)
 from nats.kernels.reference.routes import ChunkRoutes
 from nats.kernels.streams import concurrently
 
@@ -175,19 +181,31 @@ class NatsAttention(nn.Module):
         return chunk_routes(logits, seq_len, cfg.chunk_size, budget=budget, forced=forced,
                             noise=noise, tau=tau, backend=cfg.backend)
 
-    def _merge(self, q: torch.Tensor, o_la: torch.Tensor, o_sm: torch.Tensor,
-               x: torch.Tensor, one_token: bool = False) -> torch.Tensor:
+    @property
+    def _merges_splits(self) -> bool:
+        """Whether a decode step's merge takes the softmax branch as its attention's splits,
+        and the mix projection, in its own launch: where the weights are the logits' plain
+        softmax (no scale or gain on the softmax branch, one gamma)."""
+        return self.softmax_scale is None and self.softmax_gain is None \
+            and self.softmax_gamma is None
+
+    def _merge(self, q: torch.Tensor, o_la: torch.Tensor,
+               o_sm: torch.Tensor | AttentionSplits, x: torch.Tensor) -> torch.Tensor:
         """``(w_LA RMSNorm(o_LA) + w_SM RMSNorm(o_SM)) * gamma * SiLU(W_g x)``, then ``W_o``;
         ``NatsConfig.branch_norm`` says which of the two RMSNorms apply (``scaled``: the
         softmax one becomes a division by the head's running RMS, folded into ``w_SM``, as
-        is the learned gain of ``softmax_gain_init``). ``one_token`` (a decode step, no
-        gradients): where the weights are the logits' plain softmax, the mix projection
-        runs inside the merge's launch."""
+        is the learned gain of ``softmax_gain_init``). ``o_sm`` is a decode step's
+        attention splits where :attr:`_merges_splits` (one token, no gradients)."""
         cfg = self.cfg
         heads = cfg.n_heads * cfg.softmax_heads_per_head
-        o_la = o_la.reshape(*o_sm.shape)
         norms = dict(norm_a=cfg.branch_norm != "none", norm_b=cfg.branch_norm == "both",
                      out_dtype=x.dtype, backend=cfg.backend)
+        if isinstance(o_sm, AttentionSplits):
+            o_la = o_la.reshape(*o_sm.acc.shape[:2], -1)
+            y = merge_step(q[:, 0], self.mix.weight, o_la, o_sm, self.out.gamma, cfg.norm_eps,
+                           **norms)[:, None]
+            return self.out.project(y, x)
+        o_la = o_la.reshape(*o_sm.shape)
         scale = None  # of the softmax branch, folded into w_SM so the merge kernel is one
         if self.softmax_scale is not None:
             if self.training:
@@ -195,10 +213,6 @@ class NatsAttention(nn.Module):
             scale = torch.rsqrt(self.softmax_scale.running_mean + cfg.norm_eps)
         if self.softmax_gain is not None:
             scale = self.softmax_gain if scale is None else scale * self.softmax_gain
-        if one_token and scale is None and self.softmax_gamma is None:
-            y = merge_step(q[:, 0], self.mix.weight, o_la[:, 0], o_sm[:, 0], self.out.gamma,
-                           cfg.norm_eps, **norms)[:, None]
-            return self.out.project(y, x)
         w = self.mix(q).view(*q.shape[:2], heads, 2)  # logits
         if scale is not None:  # the weights themselves, scaled; else the merge takes logits
             w = F.softmax(upcast(w), -1) * torch.stack([torch.ones_like(scale), scale], -1)
@@ -361,10 +375,12 @@ class NatsAttention(nn.Module):
                              None if cfg.scorer_pool == "mean" else cache.pool_max,
                              cache.chunk_log_decay, open_len, backend=cfg.backend)
         store_k, store_v = cache.store_k.flatten(3, 4), cache.store_v.flatten(3, 4)
-        o_sm = hybrid_attention_decode(qs[:, 0], store_k, store_v, cache.store_len,
-                                       cache.chunk_k, cache.chunk_v, open_len,
-                                       cfg.softmax_head_dim_k**-0.5, backend=cfg.backend)
-        y = self._merge(q, o_la[:, None], o_sm[:, None], x, one_token=True)
+        over_cache = (qs[:, 0], store_k, store_v, cache.store_len, cache.chunk_k, cache.chunk_v,
+                      open_len, cfg.softmax_head_dim_k**-0.5)
+        o_sm = hybrid_attention_splits(*over_cache, backend=cfg.backend) \
+            if self._merges_splits else hybrid_attention_decode(*over_cache,
+                                                                backend=cfg.backend)[:, None]
+        y = self._merge(q, o_la[:, None], o_sm, x)
         if cache.ends_chunk:
             self._close_chunk(cache, position)
         return y

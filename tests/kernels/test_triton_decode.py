@@ -61,6 +61,31 @@ def test_reference_attention_equals_attention_over_the_real_keys(chunk_len: int)
             torch.testing.assert_close(got[b, hq], want, rtol=1e-12, atol=1e-12)
 
 
+def test_reference_splits_combine_to_the_attention() -> None:
+    """Splits made by hand from three groups of one head's keys, and the reference's own
+    one split, combine to its attention."""
+    (q, store_k, store_v), store_len, (chunk_k, chunk_v) = _cache(1, 1, 1, 30, 8, 8, 4,
+                                                                 torch.float64, 3)
+    store_len[:] = 30
+    chunk_len = torch.tensor([6])
+    want = ref.hybrid_attention_decode(q, store_k, store_v, store_len, chunk_k, chunk_v,
+                                       chunk_len, 0.3)
+    keys = torch.cat([store_k[0, 0, 0], chunk_k[0, 0, :6]])
+    values = torch.cat([store_v[0, 0, 0], chunk_v[0, 0, :6]])
+    logits = keys @ q[0, 0] * 0.3 / torch.log(torch.tensor(2.0, dtype=torch.float64))
+    groups = [slice(0, 11), slice(11, 11), slice(11, 36)]  # the middle one without keys
+    top = torch.stack([logits[g].max() if g.stop > g.start else torch.tensor(-torch.inf)
+                       for g in groups])
+    p = [torch.exp2(logits[g] - t) for g, t in zip(groups, top, strict=True)]
+    splits = ref.AttentionSplits(
+        top.view(1, 1, 3), torch.stack([pi.sum() for pi in p]).view(1, 1, 3),
+        torch.stack([pi @ values[g] for pi, g in zip(p, groups, strict=True)]).view(1, 1, 3, 4))
+    torch.testing.assert_close(ref.combine_splits(splits), want, rtol=1e-12, atol=1e-12)
+    own = ref.hybrid_attention_splits(q, store_k, store_v, store_len, chunk_k, chunk_v,
+                                      chunk_len, 0.3)
+    torch.testing.assert_close(ref.combine_splits(own), want, rtol=1e-12, atol=1e-12)
+
+
 def on_gpu(cases: list[tuple]) -> list:
     """GPU-shape cases, marked so that the GPU gate (``-m gpu``) runs them."""
     return [pytest.param(*case, marks=pytest.mark.gpu) for case in cases]
@@ -103,6 +128,11 @@ def test_triton_attention_matches_reference(batch: int, heads: int, r: int, capa
     want = ref.hybrid_attention_decode(*args, 0.2)
     assert got.dtype == dtype
     check(got, want, OUTPUT_TOL[dtype], "attention")
+    splits = decode.hybrid_attention_splits(*args, 0.2, backend="triton")
+    assert splits.acc.shape[:2] == got.shape[:2] and splits.acc.shape[-1] == d_v
+    # The splits, combined by the reference, before the output's rounding.
+    check(ref.combine_splits(splits), ref.hybrid_attention_splits(*args, 0.2).acc[:, :, 0],
+          1e-5, "splits")
 
 
 LINEAR_CASES = [(2, 3, 16, 16, torch.float32), (1, 2, 32, 24, LOW)] if not CUDA else on_gpu([
@@ -321,6 +351,16 @@ def _merge_inputs(batch: int, hq: int, d_q: int, dim: int, dtype: torch.dtype, s
     return q, mix, a, b, gamma
 
 
+def _splits(batch: int, hq: int, n_splits: int, dim: int, seed: int) -> ref.AttentionSplits:
+    """Random attention splits, the second of each head's without keys."""
+    gen = torch.Generator().manual_seed(seed)
+    top = 3 * torch.randn(batch, hq, n_splits, generator=gen)
+    total = 0.5 + torch.rand(batch, hq, n_splits, generator=gen)
+    acc = torch.randn(batch, hq, n_splits, dim, generator=gen) * total[..., None]
+    top[:, :, 1], total[:, :, 1], acc[:, :, 1] = -torch.inf, 0, 0
+    return ref.AttentionSplits(*(t.to(DEVICE) for t in (top, total, acc)))
+
+
 def test_reference_merge_step_merges_with_the_mix_logits() -> None:
     """The step's merge is the parallel form's for the token's mix projection."""
     q, mix, a, b, gamma = _merge_inputs(3, 4, 24, 8, torch.float64, 0)
@@ -354,9 +394,25 @@ def test_triton_merge_step_matches_reference(norm_a: bool, norm_b: bool, batch: 
     check(got, want, 1e-5 if dtype == torch.float32 else 1e-2, "y")
 
 
+@pytest.mark.parametrize("n_splits", [2, 70] if not CUDA else [129])
+@pytest.mark.parametrize(("batch", "hq", "d_q", "dim", "dtype"), MERGE_STEP_CASES)
+def test_triton_merge_step_combines_splits_as_the_reference(
+        n_splits: int, batch: int, hq: int, d_q: int, dim: int, dtype: torch.dtype) -> None:
+    """The softmax branch as its attention's splits, more than one step of the combine's
+    loop at 70 and 129."""
+    q, mix, a, _, gamma = _merge_inputs(batch, hq, d_q, dim, dtype, d_q + dim)
+    splits = _splits(batch, hq, n_splits, dim, n_splits)
+    got = decode.merge_step(q, mix, a, splits, gamma, 1e-6, True, True, dtype, backend="triton")
+    want = ref.merge_step(q, mix, a, splits, gamma, 1e-6, True, True, dtype)
+    check(got, want, 1e-5 if dtype == torch.float32 else 1e-2, "y")
+
+
 def test_merge_step_one_line_errors() -> None:
     q, mix, a, b, gamma = _merge_inputs(2, 3, 10, 4, torch.float32, 0)
     with pytest.raises(ValueError, match=r"mix_weight \[2 Hq, Dq\]"):
         decode.merge_step(q, mix[:5], a, b, gamma, 1e-6, True, False, torch.float32)
     with pytest.raises(ValueError, match=r"a and b \[B, Hq, D\]"):
         decode.merge_step(q, mix, a, b[:, :2], gamma, 1e-6, True, False, torch.float32)
+    with pytest.raises(ValueError, match=r"a and b \[B, Hq, D\]"):
+        decode.merge_step(q, mix, a, _splits(2, 3, 4, 5, 0), gamma, 1e-6, True, False,
+                          torch.float32)
