@@ -109,6 +109,21 @@ def linear_gates_step(x: torch.Tensor, w_a: torch.Tensor | None, a_log: torch.Te
     return (reference if fast is None else fast).linear_gates_step(x, w_a, a_log, dt_bias, w_b)
 
 
+def _check_splits(splits: AttentionSplits) -> None:
+    """That ``splits`` are what the attention's split operators return, which the merge's
+    launch reads as such: contiguous ``[B, Hq, S]`` maxima and totals, ``[B, Hq, S, Dv]``
+    weighted values, float32 (float64 from float64 inputs)."""
+    top, total, acc = splits
+    if acc.dim() != 4 or top.shape != acc.shape[:3] or total.shape != acc.shape[:3]:
+        raise ValueError(f"merge_step needs splits of max and total [B, Hq, S] and acc "
+                         f"[B, Hq, S, Dv]; got {list(top.shape)}, {list(total.shape)}, "
+                         f"{list(acc.shape)}")
+    if not all(t.is_contiguous() and t.dtype in (torch.float32, torch.float64)
+               for t in splits):
+        raise ValueError("merge_step needs contiguous float32 or float64 splits, as "
+                         "hybrid_attention_splits returns them")
+
+
 def merge_step(q: torch.Tensor, mix_weight: torch.Tensor, a: torch.Tensor,
                b: torch.Tensor | AttentionSplits, gamma: torch.Tensor, eps: float, norm_a: bool,
                norm_b: bool, out_dtype: torch.dtype, *, backend: Backend = "auto",
@@ -117,8 +132,11 @@ def merge_step(q: torch.Tensor, mix_weight: torch.Tensor, a: torch.Tensor,
     logits, the product of ``q`` ``[B, Dq]`` by ``mix_weight`` ``[2 Hq, Dq]``, taken in the
     same launch, as is the combine of ``b`` where it comes as the softmax branch's
     :class:`AttentionSplits`; see :func:`.reference.decode.merge_step`."""
-    b_shape = (*b.acc.shape[:2], b.acc.shape[-1]) if isinstance(b, AttentionSplits) \
-        else tuple(b.shape)
+    if isinstance(b, AttentionSplits):
+        _check_splits(b)
+        b_shape = (*b.acc.shape[:2], b.acc.shape[-1])
+    else:
+        b_shape = tuple(b.shape)
     if a.dim() != 3 or b_shape != tuple(a.shape) or q.dim() != 2 or q.shape[0] != a.shape[0] \
             or mix_weight.shape != (2 * a.shape[1], q.shape[1]) or gamma.shape != a.shape[2:]:
         raise ValueError(f"merge_step needs q [B, Dq], mix_weight [2 Hq, Dq], a and b "

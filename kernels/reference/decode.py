@@ -81,8 +81,9 @@ def linear_attention_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 class AttentionSplits(NamedTuple):
     """Softmax attention of one query per head before its normalisation, cut into splits of
     its keys: per head and split, the largest base-2 logit ``max`` ``[B, Hq, S]`` (float32,
-    ``-inf`` for a split without keys), ``total``, the sum of ``2^(logit - max)``, and
-    ``acc`` ``[B, Hq, S, Dv]``, the values weighted by those. The attention is
+    float64 from float64 inputs; ``-inf`` for a split without keys), ``total``, the sum of
+    ``2^(logit - max)``, and ``acc`` ``[B, Hq, S, Dv]``, the values weighted by those (in
+    the same dtype). The attention is
     ``sum_s 2^(max_s - M) acc_s / sum_s 2^(max_s - M) total_s`` with ``M`` the largest
     ``max_s``, which a launch that takes the attention as its input can compute itself
     (:func:`merge_step`), so the splits need no launch of their own to be combined."""
@@ -147,10 +148,11 @@ def hybrid_attention_splits(q: torch.Tensor, store_k: torch.Tensor, store_v: tor
 
 
 def combine_splits(splits: AttentionSplits) -> torch.Tensor:
-    """The attention ``[B, Hq, Dv]`` that ``splits`` hold, in their dtype."""
-    weight = torch.exp2(splits.max - splits.max.amax(-1, keepdim=True))
-    return ((weight[..., None] * splits.acc).sum(-2)
-            / (weight * splits.total).sum(-1, keepdim=True))
+    """The attention ``[B, Hq, Dv]`` that ``splits`` hold, in the compute dtype (float32,
+    float64 for float64 splits), as the Triton merge combines them."""
+    top, total, acc = (t.to(compute_dtype(splits.acc)) for t in splits)
+    weight = torch.exp2(top - top.amax(-1, keepdim=True))
+    return (weight[..., None] * acc).sum(-2) / (weight * total).sum(-1, keepdim=True)
 
 
 def linear_gates_step(x: torch.Tensor, w_a: torch.Tensor | None, a_log: torch.Tensor | None,

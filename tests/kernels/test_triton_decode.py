@@ -394,17 +394,48 @@ def test_triton_merge_step_matches_reference(norm_a: bool, norm_b: bool, batch: 
     check(got, want, 1e-5 if dtype == torch.float32 else 1e-2, "y")
 
 
+@pytest.mark.parametrize("norm_b", [True, False])
 @pytest.mark.parametrize("n_splits", [2, 70] if not CUDA else [129])
 @pytest.mark.parametrize(("batch", "hq", "d_q", "dim", "dtype"), MERGE_STEP_CASES)
 def test_triton_merge_step_combines_splits_as_the_reference(
-        n_splits: int, batch: int, hq: int, d_q: int, dim: int, dtype: torch.dtype) -> None:
+        n_splits: int, norm_b: bool, batch: int, hq: int, d_q: int, dim: int,
+        dtype: torch.dtype) -> None:
     """The softmax branch as its attention's splits, more than one step of the combine's
     loop at 70 and 129."""
     q, mix, a, _, gamma = _merge_inputs(batch, hq, d_q, dim, dtype, d_q + dim)
     splits = _splits(batch, hq, n_splits, dim, n_splits)
-    got = decode.merge_step(q, mix, a, splits, gamma, 1e-6, True, True, dtype, backend="triton")
-    want = ref.merge_step(q, mix, a, splits, gamma, 1e-6, True, True, dtype)
+    got = decode.merge_step(q, mix, a, splits, gamma, 1e-6, True, norm_b, dtype,
+                            backend="triton")
+    want = ref.merge_step(q, mix, a, splits, gamma, 1e-6, True, norm_b, dtype)
     check(got, want, 1e-5 if dtype == torch.float32 else 1e-2, "y")
+
+
+SPLIT_MERGE_CASES = [
+    # batch, heads, r, capacity, chunk, D, chunk_len, dtype
+    (2, 2, 2, 40, 8, 12, 3, torch.float32),      # a head width that is no power of two
+    (1, 3, 1, 300, 16, 16, 16, torch.float16),   # three store splits and the open chunk
+] if not CUDA else on_gpu([(1, 6, 1, 8192, 64, 128, 37, torch.bfloat16),
+                           (2, 8, 2, 2048, 64, 64, 64, torch.bfloat16)])
+
+
+@pytest.mark.parametrize(("batch", "heads", "r", "capacity", "chunk", "dim", "chunk_len",
+                          "dtype"), SPLIT_MERGE_CASES)
+def test_triton_merge_step_of_the_attention_splits(batch: int, heads: int, r: int,
+                                                   capacity: int, chunk: int, dim: int,
+                                                   chunk_len: int, dtype: torch.dtype) -> None:
+    """The decode step's chain: the Triton attention's splits (an empty head among them)
+    merged by the Triton merge, against the reference's attention and merge."""
+    (q, store_k, store_v), store_len, (chunk_k, chunk_v) = _cache(
+        batch, heads, r, capacity, chunk, dim, dim, dtype, capacity)
+    args = [t.to(DEVICE) for t in (q, store_k, store_v, store_len, chunk_k, chunk_v)]
+    args += [torch.tensor([chunk_len], device=DEVICE), 0.2]
+    mix_q, mix, a, _, gamma = _merge_inputs(batch, heads * r, 24, dim, dtype, dim)
+    got = decode.merge_step(mix_q, mix, a, decode.hybrid_attention_splits(*args,
+                                                                         backend="triton"),
+                            gamma, 1e-6, True, False, dtype, backend="triton")
+    want = ref.merge_step(mix_q, mix, a, ref.hybrid_attention_splits(*args), gamma, 1e-6,
+                          True, False, dtype)
+    check(got, want, OUTPUT_TOL[dtype], "y")
 
 
 def test_merge_step_one_line_errors() -> None:
@@ -416,3 +447,11 @@ def test_merge_step_one_line_errors() -> None:
     with pytest.raises(ValueError, match=r"a and b \[B, Hq, D\]"):
         decode.merge_step(q, mix, a, _splits(2, 3, 4, 5, 0), gamma, 1e-6, True, False,
                           torch.float32)
+    splits = _splits(2, 3, 4, 4, 0)
+    with pytest.raises(ValueError, match=r"max and total \[B, Hq, S\] and acc"):
+        decode.merge_step(q, mix, a, splits._replace(max=splits.max[..., :3]), gamma, 1e-6,
+                          True, False, torch.float32)
+    with pytest.raises(ValueError, match="contiguous float32 or float64 splits"):
+        decode.merge_step(q, mix, a, splits._replace(acc=splits.acc.transpose(0, 2)
+                                                     .contiguous().transpose(0, 2)),
+                          gamma, 1e-6, True, False, torch.float32)
