@@ -1,0 +1,124 @@
+"""The kernels of one decode step, per model form (run by hand on a GPU; no pytest):
+``python benchmarks/profile_decode_step.py [CONTEXT ...] [--out OUT.json]``.
+
+The model of ``nats bench model`` (12 layers, width 768, bf16) as NAtS-L at a forced
+quarter softmax, the layer hybrid of the same share, the all-linear model and the
+transformer, prefilled with ``CONTEXT`` tokens (default 131,072), then decoded as
+``generate`` does on a GPU (:class:`nats.cuda_graph.GraphedDecoder`): after a warm-up
+over one chunk close, ``torch.profiler`` over 16 replayed steps (one of which closes a
+chunk). Prints per form the kernel time and the launches a step, then each kernel's time
+and launches a step: the "step_profile" figures of docs/BENCHMARKS.md. ``DRY_RUN=1`` runs
+it on the CPU at ``nats bench model --device cpu``'s shapes, eagerly, the operators' own
+CPU time standing in for the kernels' (a check that it runs, not a measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nats.cuda_graph import GraphedDecoder
+from nats.evaluation.model_bench import ModelBenchConfig, Variant, default_config, variants
+from nats.model import NatsForCausalLM
+
+FORMS = ("nats@0.25", "layer-hybrid", "all-linear", "transformer")
+"""The forms profiled: these names, and the layer hybrid at whatever share the config
+gives (a quarter on the GPU)."""
+STEPS = 16
+
+
+def _decoder(model: NatsForCausalLM, context: int, device: torch.device,
+             ) -> tuple[Callable[[], object], int]:
+    """One decode step as ``generate`` takes it on ``device``, after ``context`` prefilled
+    tokens and a warm-up over one chunk close (which also captures both graphs)."""
+    ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
+    _, cache = model.prefill(ids)
+    token = ids[:, -1]
+    decoder = GraphedDecoder(model, cache) if device.type == "cuda" else None
+
+    def step() -> torch.Tensor:
+        return model.decode_step(token, cache) if decoder is None else decoder(token)
+
+    for _ in range(model.config.chunk_size + 1):
+        step()
+    return step, cache.kv_bytes()
+
+
+def profile_steps(model: NatsForCausalLM, context: int, device: torch.device,
+                  steps: int = STEPS) -> dict[str, Any]:
+    """Kernel time (µs) and launches a step over ``steps`` steps, in total and by kernel."""
+    step, kv = _decoder(model, context, device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    activity = torch.profiler.ProfilerActivity.CUDA if cuda \
+        else torch.profiler.ProfilerActivity.CPU
+    with torch.profiler.profile(activities=[activity]) as prof:
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type == kind:
+            # Self time on the CPU, where operators nest; a kernel's own on the GPU.
+            spent = event.device_time if cuda else event.self_cpu_time_total
+            by_name[event.name][0] += spent
+            by_name[event.name][1] += 1
+    kernels = sorted(({"name": name, "us_per_step": t / steps, "launches_per_step": n / steps}
+                      for name, (t, n) in by_name.items()), key=lambda k: -k["us_per_step"])
+    return {"context": context, "kv_bytes": kv,
+            "us_per_step": sum(k["us_per_step"] for k in kernels),
+            "launches_per_step": sum(k["launches_per_step"] for k in kernels),
+            "kernels": kernels}
+
+
+def _model(variant: Variant, config: ModelBenchConfig, device: torch.device,
+           ) -> NatsForCausalLM:
+    torch.manual_seed(0)
+    model = NatsForCausalLM(config.model_config(variant.layer_types)).to(device)
+    model.set_route_override(variant.fraction)
+    return model.to(torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("contexts", nargs="*", type=int, help="default 131072")
+    parser.add_argument("--out", type=Path, help="the figures as JSON")
+    args = parser.parse_args()
+    dry = bool(os.environ.get("DRY_RUN"))
+    device = torch.device("cpu" if dry else "cuda")
+    config = default_config(device.type)
+    contexts = args.contexts or (list(config.decode_contexts) if dry else [131_072])
+    report: dict[str, Any] = {"device": "cpu" if dry else torch.cuda.get_device_name(),
+                              "steps": STEPS, "forms": {}}
+    for variant in variants(config):
+        if not variant.name.startswith(FORMS):
+            continue
+        model = _model(variant, config, device)
+        for context in contexts:
+            with torch.no_grad():
+                figures = profile_steps(model, context, device)
+            report["forms"].setdefault(variant.name, []).append(figures)
+            print(f"{variant.name} at {context}: {figures['us_per_step']:.0f} us of kernel "
+                  f"time and {figures['launches_per_step']:.0f} launches a step", flush=True)
+            for k in figures["kernels"][:25]:
+                print(f"  {k['us_per_step']:8.1f} us {k['launches_per_step']:6.1f} x  "
+                      f"{k['name'][:90]}", flush=True)
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
