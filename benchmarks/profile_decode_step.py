@@ -18,14 +18,13 @@ import argparse
 import json
 import os
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from nats.cuda_graph import GraphedDecoder
-from nats.evaluation.model_bench import ModelBenchConfig, Variant, default_config, variants
+from nats.evaluation.decode_benchmark import warm_decoder
+from nats.evaluation.model_bench import default_config, variant_model, variants
 from nats.model import NatsForCausalLM
 
 FORMS = ("nats@0.25", "layer-hybrid", "all-linear", "transformer")
@@ -34,28 +33,11 @@ gives (a quarter on the GPU)."""
 STEPS = 16
 
 
-def _decoder(model: NatsForCausalLM, context: int, device: torch.device,
-             ) -> tuple[Callable[[], object], int]:
-    """One decode step as ``generate`` takes it on ``device``, after ``context`` prefilled
-    tokens and a warm-up over one chunk close (which also captures both graphs)."""
-    ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
-    _, cache = model.prefill(ids)
-    token = ids[:, -1]
-    decoder = GraphedDecoder(model, cache) if device.type == "cuda" else None
-
-    def step() -> torch.Tensor:
-        return model.decode_step(token, cache) if decoder is None else decoder(token)
-
-    for _ in range(model.config.chunk_size + 1):
-        step()
-    return step, cache.kv_bytes()
-
-
 def profile_steps(model: NatsForCausalLM, context: int, device: torch.device,
                   steps: int = STEPS) -> dict[str, Any]:
     """Kernel time (µs) and launches a step over ``steps`` steps, in total and by kernel."""
-    step, kv = _decoder(model, context, device)
     cuda = device.type == "cuda"
+    step, cache = warm_decoder(model, context, device, graphed=cuda)
     if cuda:
         torch.cuda.synchronize()
     activity = torch.profiler.ProfilerActivity.CUDA if cuda \
@@ -75,18 +57,10 @@ def profile_steps(model: NatsForCausalLM, context: int, device: torch.device,
             by_name[event.name][1] += 1
     kernels = sorted(({"name": name, "us_per_step": t / steps, "launches_per_step": n / steps}
                       for name, (t, n) in by_name.items()), key=lambda k: -k["us_per_step"])
-    return {"context": context, "kv_bytes": kv,
+    return {"context": context, "kv_bytes": cache.kv_bytes(),
             "us_per_step": sum(k["us_per_step"] for k in kernels),
             "launches_per_step": sum(k["launches_per_step"] for k in kernels),
             "kernels": kernels}
-
-
-def _model(variant: Variant, config: ModelBenchConfig, device: torch.device,
-           ) -> NatsForCausalLM:
-    torch.manual_seed(0)
-    model = NatsForCausalLM(config.model_config(variant.layer_types)).to(device)
-    model.set_route_override(variant.fraction)
-    return model.to(torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
 
 
 def main() -> None:
@@ -103,7 +77,8 @@ def main() -> None:
     for variant in variants(config):
         if not variant.name.startswith(FORMS):
             continue
-        model = _model(variant, config, device)
+        model = variant_model(variant, config, device)
+        model.to(torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
         for context in contexts:
             with torch.no_grad():
                 figures = profile_steps(model, context, device)

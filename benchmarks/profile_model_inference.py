@@ -23,7 +23,13 @@ from functools import partial
 
 import torch
 
-from nats.evaluation.model_bench import ModelBenchConfig, Variant, _autocast, variants
+from nats.evaluation.model_bench import (
+    ModelBenchConfig,
+    Variant,
+    _autocast,
+    variant_model,
+    variants,
+)
 from nats.model import NatsForCausalLM
 
 FORMS = ("transformer", "all-linear", "nats@0", "nats@0.25")
@@ -90,10 +96,7 @@ def decode_kernels(model: NatsForCausalLM, vocab: int, device: torch.device) -> 
 
 
 def profile_form(variant: Variant, config: ModelBenchConfig, device: torch.device) -> None:
-    torch.manual_seed(0)
-    model = NatsForCausalLM(config.model_config(variant.layer_types)).to(device)
-    model.set_route_override(variant.fraction)
-    model.to(torch.bfloat16).eval()
+    model = variant_model(variant, config, device).to(torch.bfloat16).eval()
     with torch.no_grad(), _autocast(device):
         for length in LENGTHS:
             ids = torch.randint(0, config.vocab_size, (1, length), device=device)

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from nats.atomic_write import atomic_write_bytes
+from nats.cache import HybridCache
 from nats.config import NatsConfig, whole_at_least
 from nats.cuda_graph import GraphedDecoder
 from nats.model import NatsForCausalLM
@@ -41,23 +43,31 @@ def time_decode(model: NatsForCausalLM, context: int, steps: int, device: torch.
     compiles the step's kernels. ``graphed`` (a GPU only) replays the steps from a CUDA
     graph, as ``generate`` does there.
     """
-    ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
-    _, cache = model.prefill(ids)
-    token = ids[:, -1]
-    if graphed:
-        step = GraphedDecoder(model, cache)
-    else:
-        def step(t: torch.Tensor) -> torch.Tensor:
-            return model.decode_step(t, cache)
+    step, cache = warm_decoder(model, context, device, graphed)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(model.config.chunk_size + 1):
-        step(token)
     sync()
     start = time.perf_counter()
     for _ in range(steps):
-        step(token)
+        step()
     sync()
     return (time.perf_counter() - start) * 1e3 / steps, cache.kv_bytes()
+
+
+def warm_decoder(model: NatsForCausalLM, context: int, device: torch.device, graphed: bool,
+                 ) -> tuple[Callable[[], torch.Tensor], HybridCache]:
+    """A decode step (of the prompt's last token, again) and its cache after ``context``
+    prefilled tokens and a warm-up over one chunk close (see :func:`time_decode`)."""
+    ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
+    _, cache = model.prefill(ids)
+    token = ids[:, -1]
+    decoder = GraphedDecoder(model, cache) if graphed else None
+
+    def step() -> torch.Tensor:
+        return model.decode_step(token, cache) if decoder is None else decoder(token)
+
+    for _ in range(model.config.chunk_size + 1):
+        step()
+    return step, cache
 
 
 def run_decode_benchmark(contexts: tuple[int, ...], fractions: tuple[float, ...], steps: int,

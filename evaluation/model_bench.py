@@ -166,6 +166,16 @@ def variants(config: ModelBenchConfig) -> list[Variant]:
     return out
 
 
+def variant_model(variant: Variant, config: ModelBenchConfig, device: torch.device,
+                  ) -> NatsForCausalLM:
+    """``variant``'s model from seed 0, in float32 on ``device``, its NAtS-L layers forced
+    to its softmax fraction: the same weights in every measure and every tool."""
+    torch.manual_seed(0)
+    model = NatsForCausalLM(config.model_config(variant.layer_types)).to(device)
+    model.set_route_override(variant.fraction)
+    return model
+
+
 def _autocast(device: torch.device) -> torch.autocast:
     """bf16 autocast on a GPU; on a CPU the reference operators run in float32."""
     return torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" \
@@ -278,9 +288,7 @@ def run_model_benchmark(config: ModelBenchConfig, out_json: Path | None,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "config": dataclasses.asdict(config), "rows": []}
     for variant in variants(config):
-        torch.manual_seed(0)
-        model = NatsForCausalLM(config.model_config(variant.layer_types)).to(device)
-        model.set_route_override(variant.fraction)
+        model = variant_model(variant, config, device)
         params = sum(p.numel() for p in model.parameters())
         for measure, lengths_field, fn in MEASURES:
             # Training runs in float32 weights under autocast; inference in bf16.
