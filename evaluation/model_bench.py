@@ -13,10 +13,11 @@ in several forms, measured in one run so that their ratios compare:
 
 For each: training tokens/s (forward, backward, an AdamW step and the routing statistics'
 commit, as the trainer's step; bf16 autocast on a GPU; with ``cuda_graph`` replayed from a
-CUDA graph) and peak memory at each training length, prefill milliseconds (batch 1, no gradients) at
-each prefill length, and decode milliseconds per token against a prefilled cache at each
-context (replayed from a CUDA graph on a GPU, as ``generate`` decodes). A measurement that
-runs out of memory is recorded as such and the longer lengths of that form are skipped.
+CUDA graph) and peak memory at each training length, prefill milliseconds (batch 1, no
+gradients; with ``cuda_graph`` replayed too) at each prefill length, and decode
+milliseconds per token against a prefilled cache at each context (replayed from a CUDA
+graph on a GPU, as ``generate`` decodes). A measurement that runs out of memory is
+recorded as such and the longer lengths of that form are skipped.
 On a CPU the same command runs (the reference operators) to check itself, with small
 shapes; its times say nothing about the kernels.
 """
@@ -35,7 +36,7 @@ import torch
 
 from nats.atomic_write import atomic_write_bytes, check_output_file
 from nats.config import NatsConfig, whole_at_least
-from nats.cuda_graph import warm_then_capture
+from nats.cuda_graph import GraphedPrefill, warm_then_capture
 from nats.latency import median_ms
 from nats.model import NatsForCausalLM
 from nats.trainers.config import architecture_layers
@@ -75,9 +76,10 @@ class ModelBenchConfig:
     """``torch.compile`` each model's training forward (as ``nats train --compile`` does);
     prefill and decode stay eager."""
     cuda_graph: bool = False
-    """Replay each training step from a CUDA graph (forward, backward and the optimizer
-    step, captured after warm-up steps): what the step costs without Python and launch
-    overhead. GPU only."""
+    """Replay each training step (forward, backward and the optimizer step, captured after
+    warm-up steps) and each prefill (:class:`~nats.cuda_graph.GraphedPrefill`, captured
+    in the warm-up) from a CUDA graph: what they cost without Python and launch overhead.
+    Decode steps are always replayed on a GPU. GPU only."""
     device: str = "cuda"
 
     def __post_init__(self) -> None:
@@ -250,9 +252,11 @@ def prefill_row(model: NatsForCausalLM, config: ModelBenchConfig, length: int,
                 device: torch.device) -> dict[str, Any]:
     ids = torch.randint(0, config.vocab_size, (1, length), device=device)
     model.eval()
+    prefill = GraphedPrefill(model) if config.cuda_graph else model.prefill
     with torch.no_grad(), _autocast(device):
-        row: dict[str, Any] = {"ms": median_ms(lambda: model.prefill(ids), device, warmup=1,
-                                               repeats=config.repeats)}
+        row: dict[str, Any] = {"ms": median_ms(lambda: prefill(ids), device, warmup=1,
+                                               repeats=config.repeats),
+                               "cuda_graph": config.cuda_graph}
         fractions = [f.mean().item() for f in model(ids).attn_frac if f is not None]
     if fractions:  # what the forced routes made of this length (token-weighted)
         row["softmax_fraction"] = sum(fractions) / len(fractions)

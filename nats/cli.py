@@ -467,8 +467,8 @@ def _add_bench_model(bench_sub: argparse._SubParsersAction) -> None:
                        help="torch.compile each model's training forward, as nats train "
                             "--compile does")
     model.add_argument("--cuda-graph", action="store_true",
-                       help="replay each training step from a CUDA graph (captured after "
-                            "warm-up steps): the step without Python and launch overhead")
+                       help="replay each training step and each prefill from a CUDA graph "
+                            "(captured in the warm-up): without Python and launch overhead")
     model.add_argument("--device", default=d.device,
                        help="cuda (the figures) or cpu (a check of the command, on a small "
                             "model unless sizes are given)")

@@ -1,4 +1,4 @@
-"""Work replayed from a CUDA graph: decode steps, and a benchmark's training step.
+"""Work replayed from a CUDA graph: decode steps, prefills, and a benchmark's training step.
 
 At batch 1 a decode step is a few hundred small kernels, and launching them from Python
 costs far more than running them. :meth:`NatsForCausalLM.decode_compute` launches the
@@ -9,21 +9,25 @@ host bookkeeping between steps (:meth:`~NatsForCausalLM.decode_advance`: opening
 growing full buffers) stays eager. When that bookkeeping replaces a buffer, the graphs no
 longer point at the cache and are captured again: when a store fills, and when a softmax
 layer's KV buffer doubles, so a logarithmic number of times over a generation.
+
+A prefill at batch 1 is host-bound too (docs/BENCHMARKS.md): :class:`GraphedPrefill`
+replays one graph per prompt shape, for callers that prefill prompts of a few fixed
+shapes (a server's length buckets, a benchmark).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from .cache import HybridCache
+from .cache import HybridCache, LayerCache
 from .layers.routing import RouteOverride
 
 if TYPE_CHECKING:  # the model imports this module
-    from .model import NatsForCausalLM
+    from .model import NatsForCausalLM, PendingCache
 
 
 W = TypeVar("W")
@@ -132,3 +136,89 @@ class GraphedDecoder:
         self.graphs[plan] = _Captured(graph, fixed_token, fixed_logits, bound_to, overrides)
         self.captures += 1
         return warmed[0]
+
+
+@dataclass
+class _CapturedPrefill:
+    """One prompt shape's graph, the ids it reads, the logits and layer caches (or their
+    finishers) it fills, and what it was captured with: the model's parameters and
+    buffers (where they are) and its route overrides."""
+
+    graph: torch.cuda.CUDAGraph
+    ids: torch.Tensor
+    logits: torch.Tensor
+    caches: list[PendingCache]
+    bound_to: Signature
+    overrides: tuple[RouteOverride, ...]
+
+
+def _cloned(cache: LayerCache) -> LayerCache:
+    """``cache`` with its own copy of every tensor: a replay refills the graph's."""
+    return replace(cache, **{f.name: v.clone() for f in fields(cache)
+                             if isinstance(v := getattr(cache, f.name), torch.Tensor)})
+
+
+class GraphedPrefill:
+    """``prefill(input_ids)`` does what ``model.prefill(input_ids)`` does, on a GPU.
+
+    The first prompt of each shape (and mode and autocast state), and every one after the model's
+    parameters moved or a NAtS-L layer's route override changed, runs eagerly (which also
+    compiles and tunes every kernel) and captures the prefill's device work; later prompts
+    of that shape replay it. After a replay the host finishes the cache: it reads the
+    NAtS-L stores' sizes (one wait for the GPU, where the eager prefill waits once a
+    layer), packs the stores and copies the rest out of the graph's memory. Each shape's
+    graph keeps the memory its prefill peaked at until :meth:`clear`.
+    """
+
+    def __init__(self, model: NatsForCausalLM) -> None:
+        self.model = model
+        self.graphs: dict[tuple, _CapturedPrefill] = {}
+        self.captures = 0
+
+    def clear(self) -> None:
+        """Drop every graph and the memory it holds."""
+        self.graphs.clear()
+
+    def _bound_to(self) -> Signature:
+        return [(t.data_ptr(), t.shape) for t in (*self.model.parameters(),
+                                                  *self.model.buffers())]
+
+    def _overrides(self) -> tuple[RouteOverride, ...]:
+        return tuple(layer.route_override for layer in self.model.nats_layers)
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, HybridCache]:
+        """Logits of the prompt ``[B, T]`` and the cache that decoding continues from."""
+        if not input_ids.is_cuda:
+            raise ValueError("CUDA-graph prefill needs the model and the prompt on a GPU")
+        key = (tuple(input_ids.shape), input_ids.device, self.model.training,
+               torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+        captured = self.graphs.get(key)
+        if captured is None or self._bound_to() != captured.bound_to \
+                or any(a is not b for a, b in zip(self._overrides(), captured.overrides,
+                                                  strict=True)):
+            return self._eager_then_capture(key, input_ids)
+        captured.ids.copy_(input_ids)
+        captured.graph.replay()
+        cache = self.model.prompt_cache(captured.caches, input_ids)
+        cache.layers = [_cloned(layer) for layer in cache.layers]
+        return captured.logits.clone(), cache
+
+    def _eager_then_capture(self, key: tuple, input_ids: torch.Tensor,
+                            ) -> tuple[torch.Tensor, HybridCache]:
+        # The warm-up is this prompt's real prefill; the capture records the same work on
+        # a copy of the ids, kept with the graph, which must not outlive what it reads.
+        self.graphs.pop(key, None)
+        for override in self._overrides():
+            if isinstance(override, torch.Tensor) and override.device != input_ids.device:
+                raise ValueError(f"CUDA-graph prefill reads the route override tensor on "
+                                 f"the GPU, so it must be on {input_ids.device}, not "
+                                 f"{override.device}")
+        fixed_ids = input_ids.clone()
+        warm, graph, (logits, caches) = warm_then_capture(
+            lambda: self.model.prefill(input_ids),
+            lambda: self.model.prefill_compute(fixed_ids, finish=False), input_ids.device)
+        self.graphs[key] = _CapturedPrefill(graph, fixed_ids, logits, caches,
+                                            self._bound_to(), self._overrides())
+        self.captures += 1
+        return warm

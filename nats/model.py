@@ -110,8 +110,12 @@ class CausalLMOutput:
     routable_frac: list[torch.Tensor | None] = field(default_factory=list)
 
 
-def _finished(cache: LayerCache | Callable[[], LayerCache]) -> LayerCache:
-    """A layer's prefill cache, or what its finisher returns (``NatsAttention.prefill``)."""
+PendingCache = LayerCache | Callable[[], LayerCache]
+"""A layer's prefill cache, or a finisher that returns it (``NatsAttention.prefill``)."""
+
+
+def finished(cache: PendingCache) -> LayerCache:
+    """A layer's prefill cache, or what its finisher returns."""
     return cache() if callable(cache) else cache
 
 
@@ -197,20 +201,34 @@ class NatsForCausalLM(nn.Module):
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, HybridCache]:
         """Logits of the prompt and the cache that decoding continues from."""
+        logits, caches = self.prefill_compute(input_ids, finish=True)
+        return logits, self.prompt_cache(caches, input_ids)
+
+    @torch.no_grad()
+    def prefill_compute(self, input_ids: torch.Tensor, finish: bool,
+                        ) -> tuple[torch.Tensor, list[PendingCache]]:
+        """The prompt's logits and each layer's cache. A NAtS-L layer's cache comes as a
+        finisher that reads a size from the GPU: with ``finish`` called once the next
+        layer's work is queued (the GPU has work while the host waits); without, left to
+        the caller (a CUDA graph records this work, and its replay fills the size:
+        :class:`nats.cuda_graph.GraphedPrefill`)."""
         x = self.embed(input_ids)
-        caches: list[LayerCache] = []
-        pending: LayerCache | Callable[[], LayerCache] | None = None
+        caches: list[PendingCache] = []
         for block in self.blocks:
             x, _, cache = block.prefill(x)
-            # A NAtS-L layer's cache comes as a finisher that reads a size from the GPU:
-            # finished once the next layer's work is queued, the GPU has work while it waits.
-            if pending is not None:
-                caches.append(_finished(pending))
-            pending = cache
-        caches.append(_finished(pending))
+            if finish and caches:
+                caches[-1] = finished(caches[-1])
+            caches.append(cache)
+        if finish:
+            caches[-1] = finished(caches[-1])
+        return self.lm_head(self.norm(x)), caches
+
+    @staticmethod
+    def prompt_cache(caches: list[PendingCache], input_ids: torch.Tensor) -> HybridCache:
+        """The whole model's cache after the prompt ``input_ids`` from its layers'."""
         position = input_ids.shape[1]
-        return self.lm_head(self.norm(x)), HybridCache(
-            layers=caches, position=position,
+        return HybridCache(
+            layers=[finished(cache) for cache in caches], position=position,
             # Filled on the device: a tensor made from the host value is a blocking copy.
             position_t=torch.full((), position, device=input_ids.device))
 

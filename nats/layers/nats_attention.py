@@ -318,7 +318,9 @@ class NatsAttention(nn.Module):
         ``[B, H]`` and their maximum; slots past a head's count hold stale data that
         decoding never reads. The finisher waits only for the store's size (the most
         softmax chunks of any head, copied to the host without blocking), not for work
-        queued after it.
+        queued after it. While a CUDA graph captures the prefill the size stays on the
+        device, and the finisher, called after a replay, reads it there
+        (:class:`nats.cuda_graph.GraphedPrefill`).
         As the softmax layer's cache, the store keeps room for a quarter more chunks: full,
         the first chunk closed after the prompt would move it, and a graphed decoder would
         capture its step again.
@@ -334,10 +336,13 @@ class NatsAttention(nn.Module):
         counts = is_sm.sum(1)
         # Softmax chunks first, each group in chunk order: a stable sort on "is linear".
         order = torch.sort((~is_sm).int(), dim=1, stable=True).indices
-        most = counts.max().to("cpu", non_blocking=True)
-        copied = torch.cuda.Event() if most.is_pinned() else None
-        if copied is not None:
-            copied.record()
+        most = counts.max()
+        copied = None
+        if most.is_cuda and not torch.cuda.is_current_stream_capturing():
+            most = most.to("cpu", non_blocking=True)
+            copied = torch.cuda.Event() if most.is_pinned() else None
+            if copied is not None:
+                copied.record()
 
         def pack(t: torch.Tensor, filled: int) -> torch.Tensor:
             d = t.shape[-1]

@@ -276,6 +276,34 @@ def test_graphed_decoding_needs_a_gpu():
         GraphedDecoder(model, cache)
 
 
+def test_graphed_prefill_needs_a_gpu():
+    from nats.cuda_graph import GraphedPrefill
+
+    with pytest.raises(ValueError, match="needs the model and the prompt on a GPU"):
+        GraphedPrefill(tiny_model(("nats",)))(torch.zeros(1, 3, dtype=torch.long))
+
+
+@pytest.mark.parametrize("layer_types", [("nats", "linear", "softmax"), ("nats", "nats")])
+def test_a_prefill_finished_by_the_caller_equals_prefill(layer_types):
+    """The prefill's layer work with the NAtS-L caches left as finishers, finished by the
+    caller afterwards (as a replayed CUDA graph's are), gives ``prefill``'s logits and
+    cache; the finishers may be called again, as after each replay."""
+    model = tiny_model(layer_types)
+    ids = torch.randint(0, model.config.vocab_size, (2, 3 * model.config.chunk_size + 5))
+    want_logits, want = model.prefill(ids)
+    logits, pending = model.prefill_compute(ids, finish=False)
+    assert any(callable(p) for p in pending)
+    assert torch.equal(logits, want_logits)
+    for _ in range(2):
+        got = model.prompt_cache(pending, ids)
+        assert got.position == want.position
+        for a, b in zip(got.layers, want.layers, strict=True):
+            assert type(a) is type(b)
+            for name, x in vars(a).items():
+                y = getattr(b, name)
+                assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, name
+
+
 @pytest.mark.parametrize("pool", ["mean", "max"])
 def test_decode_steps_on_the_triton_kernels_match_the_reference(pool):
     """Interpreted on the CPU: the decode step's own kernels (convolution step, gates, the

@@ -1,5 +1,5 @@
 """On a CUDA GPU: prefill and decoding on the Triton kernels equal the parallel forward,
-graphed decoding equals eager decoding, and prefill never waits on the GPU."""
+graphed decoding and prefill equal eager ones, and prefill never waits on the GPU."""
 
 import pytest
 import torch
@@ -176,3 +176,80 @@ def test_prefill_makes_no_blocking_read_back():
             torch.cuda.set_sync_debug_mode(0)
     assert torch.equal(got, want)
     assert all(int(layer.store_chunks.max()) > 0 for layer in cache.layers[:2])
+
+
+def _assert_same_cache(got, want) -> None:
+    """Two prompt caches hold the same state: host fields equal, tensors equal up to
+    float32 rounding, and no tensor of ``got`` in ``want``'s memory."""
+    assert got.position == want.position and int(got.position_t) == want.position
+    for a, b in zip(got.layers, want.layers, strict=True):
+        assert type(a) is type(b)
+        for name, x in vars(a).items():
+            y = getattr(b, name)
+            if not isinstance(x, torch.Tensor):
+                assert x == y, name
+                continue
+            assert x.shape == y.shape and x.dtype == y.dtype, name
+            assert x.data_ptr() != y.data_ptr(), name
+            if name.startswith("store_") and name != "store_len":  # real slots only
+                real = a.store_chunks.max()
+                x, y = x[:, :, :, :real], y[:, :, :, :real]
+            if x.is_floating_point():
+                finite = torch.isfinite(y)
+                assert torch.equal(finite, torch.isfinite(x)), name
+                assert rel_err(x[finite].float(), y[finite].float()) < 1e-5, name
+            else:
+                assert torch.equal(x, y), name
+
+
+def test_graphed_prefill_equals_eager_prefill():
+    """A prefill replayed from a CUDA graph gives the eager prefill's logits and cache (a
+    prompt that ends inside a chunk, NAtS-L stores sized after the replay): for the prompt
+    it captured, for new prompts of that shape (replayed, no capture; each cache its own
+    memory, untouched by later replays) and after a shape or route override changed
+    (captured anew). Decoding from a replayed cache continues as from the eager one."""
+    from nats.cuda_graph import GraphedPrefill
+
+    cfg = NatsConfig(vocab_size=512, d_model=256, n_layers=3, n_heads=4, softmax_heads_per_head=2,
+                     head_dim_k=64, head_dim_v=64, chunk_size=16,
+                     layer_types=("nats", "linear", "softmax"), backend="triton", rope=True)
+    model = spread_model(cfg, torch.bfloat16)
+    prefill = GraphedPrefill(model)
+    ids = torch.randint(0, 512, (4, 2, 16 * 6 + 5), device="cuda")
+    kept = []
+    for prompt in ids[:3]:
+        got_logits, got = prefill(prompt)
+        want_logits, want = model.prefill(prompt)
+        assert rel_err(got_logits.float(), want_logits.float()) < 1e-5
+        _assert_same_cache(got, want)
+        kept.append((prompt, got, want))
+    assert prefill.captures == 1
+    for prompt, got, want in kept:  # later replays left each cache as it was
+        _assert_same_cache(got, want)
+        for t in range(8):  # across the open chunk's end
+            token = (prompt[:, -1] + t) % 512
+            assert rel_err(model.decode_step(token, got).float(),
+                           model.decode_step(token, want).float()) < 1e-5
+    _, short = prefill(ids[3, :, :40])
+    _assert_same_cache(short, model.prefill(ids[3, :, :40])[1])
+    model.set_route_override(0.5)
+    _, half = prefill(ids[3])
+    _assert_same_cache(half, model.prefill(ids[3])[1])
+    assert prefill.captures == 3
+    assert half.layers[0].store_chunks.eq(3).all()  # every other of 6 finished chunks
+
+
+def test_the_model_bench_replays_prefills_under_cuda_graph():
+    """``nats bench model --cuda-graph`` times replayed prefills (one capture, in the
+    warm-up), and says so in the row."""
+    from nats.evaluation.model_bench import default_config, prefill_row, variant_model, variants
+
+    config = default_config("cuda", d_model=256, n_layers=2, n_heads=2, head_dim=128,
+                            vocab_size=512, fractions=(0.25,), layer_hybrid_shares=(0.5,),
+                            train_lens=(), decode_contexts=(), prefill_lens=(1024,),
+                            repeats=2, cuda_graph=True)
+    nats_form = next(v for v in variants(config) if v.name == "nats@0.25")
+    model = variant_model(nats_form, config, torch.device("cuda")).to(torch.bfloat16)
+    row = prefill_row(model, config, 1024, torch.device("cuda"))
+    assert row["cuda_graph"] is True and row["ms"] > 0
+    assert row["softmax_fraction"] == pytest.approx(0.25, abs=0.05)
