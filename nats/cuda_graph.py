@@ -159,9 +159,10 @@ def _cloned(cache: LayerCache) -> LayerCache:
 
 
 class GraphedPrefill:
-    """``prefill(input_ids)`` does what ``model.prefill(input_ids)`` does, on a GPU.
+    """``prefill(input_ids)`` does what ``model.prefill(input_ids)`` does, on a GPU, for a
+    model in eval mode.
 
-    The first prompt of each shape (and mode and autocast state), and every one after the model's
+    The first prompt of each shape (and autocast state), and every one after the model's
     parameters moved or a NAtS-L layer's route override changed, runs eagerly (which also
     compiles and tunes every kernel) and captures the prefill's device work; later prompts
     of that shape replay it. After a replay the host finishes the cache: it reads the
@@ -176,7 +177,8 @@ class GraphedPrefill:
         self.captures = 0
 
     def clear(self) -> None:
-        """Drop every graph and the memory it holds."""
+        """Drop every graph: their memory goes back to PyTorch's caching allocator
+        (``torch.cuda.empty_cache()`` hands it to the driver)."""
         self.graphs.clear()
 
     def _bound_to(self) -> Signature:
@@ -189,14 +191,20 @@ class GraphedPrefill:
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, HybridCache]:
         """Logits of the prompt ``[B, T]`` and the cache that decoding continues from."""
+        if self.model.training:
+            # Training mode reads host state (the routes' noise) that a replay would freeze.
+            raise ValueError("CUDA-graph prefill runs a model in eval mode: call "
+                             "model.eval() first")
         if not input_ids.is_cuda:
             raise ValueError("CUDA-graph prefill needs the model and the prompt on a GPU")
-        key = (tuple(input_ids.shape), input_ids.device, self.model.training,
-               torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+        key = (tuple(input_ids.shape), input_ids.device, torch.is_autocast_enabled("cuda"),
+               torch.get_autocast_dtype("cuda"))
         captured = self.graphs.get(key)
-        if captured is None or self._bound_to() != captured.bound_to \
-                or any(a is not b for a, b in zip(self._overrides(), captured.overrides,
-                                                  strict=True)):
+        if captured is not None and self._bound_to() != captured.bound_to:
+            self.graphs.clear()  # every graph reads the parameters where they were
+            captured = None
+        if captured is None or any(a is not b for a, b in zip(
+                self._overrides(), captured.overrides, strict=True)):
             return self._eager_then_capture(key, input_ids)
         captured.ids.copy_(input_ids)
         captured.graph.replay()
@@ -215,9 +223,16 @@ class GraphedPrefill:
                                  f"the GPU, so it must be on {input_ids.device}, not "
                                  f"{override.device}")
         fixed_ids = input_ids.clone()
-        warm, graph, (logits, caches) = warm_then_capture(
-            lambda: self.model.prefill(input_ids),
-            lambda: self.model.prefill_compute(fixed_ids, finish=False), input_ids.device)
+        # Autocast's cache of weight casts lives only as long as the caller's autocast
+        # block: the graph must record the casts, not reads of a cache freed after it.
+        uncached = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
+                                  enabled=torch.is_autocast_enabled("cuda"),
+                                  cache_enabled=False)
+        with uncached:
+            warm, graph, (logits, caches) = warm_then_capture(
+                lambda: self.model.prefill(input_ids),
+                lambda: self.model.prefill_compute(fixed_ids, finish=False),
+                input_ids.device)
         self.graphs[key] = _CapturedPrefill(graph, fixed_ids, logits, caches,
                                             self._bound_to(), self._overrides())
         self.captures += 1

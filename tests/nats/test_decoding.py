@@ -276,20 +276,25 @@ def test_graphed_decoding_needs_a_gpu():
         GraphedDecoder(model, cache)
 
 
-def test_graphed_prefill_needs_a_gpu():
+def test_graphed_prefill_needs_a_gpu_and_eval_mode():
     from nats.cuda_graph import GraphedPrefill
 
+    model = tiny_model(("nats",))
     with pytest.raises(ValueError, match="needs the model and the prompt on a GPU"):
-        GraphedPrefill(tiny_model(("nats",)))(torch.zeros(1, 3, dtype=torch.long))
+        GraphedPrefill(model)(torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"eval mode: call model.eval\(\) first"):
+        GraphedPrefill(model.train())(torch.zeros(1, 3, dtype=torch.long))
 
 
 @pytest.mark.parametrize("layer_types", [("nats", "linear", "softmax"), ("nats", "nats")])
-def test_a_prefill_finished_by_the_caller_equals_prefill(layer_types):
+@pytest.mark.parametrize("chunks", [3.25, 2, 0.5], ids=["tail", "whole-chunks", "no-chunk"])
+def test_a_prefill_finished_by_the_caller_equals_prefill(layer_types, chunks):
     """The prefill's layer work with the NAtS-L caches left as finishers, finished by the
     caller afterwards (as a replayed CUDA graph's are), gives ``prefill``'s logits and
-    cache; the finishers may be called again, as after each replay."""
+    cache, for prompts with an open tail, of whole chunks and shorter than a chunk; the
+    finishers may be called again, as after each replay."""
     model = tiny_model(layer_types)
-    ids = torch.randint(0, model.config.vocab_size, (2, 3 * model.config.chunk_size + 5))
+    ids = torch.randint(0, model.config.vocab_size, (2, int(chunks * model.config.chunk_size)))
     want_logits, want = model.prefill(ids)
     logits, pending = model.prefill_compute(ids, finish=False)
     assert any(callable(p) for p in pending)

@@ -180,7 +180,7 @@ def test_prefill_makes_no_blocking_read_back():
 
 def _assert_same_cache(got, want) -> None:
     """Two prompt caches hold the same state: host fields equal, tensors equal up to
-    float32 rounding, and no tensor of ``got`` in ``want``'s memory."""
+    float32 rounding."""
     assert got.position == want.position and int(got.position_t) == want.position
     for a, b in zip(got.layers, want.layers, strict=True):
         assert type(a) is type(b)
@@ -190,7 +190,6 @@ def _assert_same_cache(got, want) -> None:
                 assert x == y, name
                 continue
             assert x.shape == y.shape and x.dtype == y.dtype, name
-            assert x.data_ptr() != y.data_ptr(), name
             if name.startswith("store_") and name != "store_len":  # real slots only
                 real = a.store_chunks.max()
                 x, y = x[:, :, :, :real], y[:, :, :, :real]
@@ -222,9 +221,10 @@ def test_graphed_prefill_equals_eager_prefill():
         want_logits, want = model.prefill(prompt)
         assert rel_err(got_logits.float(), want_logits.float()) < 1e-5
         _assert_same_cache(got, want)
-        kept.append((prompt, got, want))
+        kept.append((prompt, got_logits, want_logits, got, want))
     assert prefill.captures == 1
-    for prompt, got, want in kept:  # later replays left each cache as it was
+    for prompt, got_logits, want_logits, got, want in kept:  # later replays left them
+        assert rel_err(got_logits.float(), want_logits.float()) < 1e-5
         _assert_same_cache(got, want)
         for t in range(8):  # across the open chunk's end
             token = (prompt[:, -1] + t) % 512
@@ -237,6 +237,30 @@ def test_graphed_prefill_equals_eager_prefill():
     _assert_same_cache(half, model.prefill(ids[3])[1])
     assert prefill.captures == 3
     assert half.layers[0].store_chunks.eq(3).all()  # every other of 6 finished chunks
+
+
+def test_graphed_prefill_of_float32_weights_under_autocast_follows_the_weights():
+    """Float32 weights under bf16 autocast: the graph records the weights' casts (autocast's
+    cache of them lasts one autocast block), so a replay in a later block, after the
+    weights changed in place, gives the eager prefill's logits, without a new capture."""
+    from nats.cuda_graph import GraphedPrefill
+
+    cfg = NatsConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, softmax_heads_per_head=2,
+                     head_dim_k=64, head_dim_v=64, chunk_size=16, layer_types=("nats", "softmax"),
+                     backend="triton")
+    model = spread_model(cfg)
+    prefill = GraphedPrefill(model)
+    ids = torch.randint(0, 512, (2, 16 * 3 + 5), device="cuda")
+    with torch.autocast("cuda", torch.bfloat16):
+        prefill(ids)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.01)
+    with torch.autocast("cuda", torch.bfloat16):
+        got, _ = prefill(ids)
+        want, _ = model.prefill(ids)
+    assert prefill.captures == 1
+    assert rel_err(got.float(), want.float()) < 1e-5
 
 
 def test_the_model_bench_replays_prefills_under_cuda_graph():
