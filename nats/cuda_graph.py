@@ -58,6 +58,28 @@ Signature = list[tuple[int, torch.Size]]
 """Where each of the cache's buffers is and its shape: what a captured step is bound to."""
 
 
+def _overrides(model: NatsForCausalLM) -> tuple[RouteOverride, ...]:
+    """The NAtS-L layers' route overrides: a graph replays those it was captured with."""
+    return tuple(layer.route_override for layer in model.nats_layers)
+
+
+def _overrides_changed(model: NatsForCausalLM, captured: tuple[RouteOverride, ...]) -> bool:
+    """Whether a layer's route override is not the one a graph was captured with."""
+    return any(a is not b for a, b in zip(_overrides(model), captured, strict=True))
+
+
+def _overrides_on(model: NatsForCausalLM, device: torch.device, work: str,
+                  ) -> tuple[RouteOverride, ...]:
+    """The route overrides a capture of ``work`` will replay, each tensor one checked to
+    be on ``device``, where the graph reads it."""
+    overrides = _overrides(model)
+    for override in overrides:
+        if isinstance(override, torch.Tensor) and override.device != device:
+            raise ValueError(f"CUDA-graph {work} reads the route override tensor on the "
+                             f"GPU, so it must be on {device}, not {override.device}")
+    return overrides
+
+
 @dataclass
 class _Captured:
     """One plan's graph, the token and logits buffers it reads and fills, the cache's
@@ -89,9 +111,6 @@ class GraphedDecoder:
     def _buffers(self) -> Signature:
         return [(t.data_ptr(), t.shape) for t in self.cache.buffers()]
 
-    def _overrides(self) -> tuple[RouteOverride, ...]:
-        return tuple(layer.route_override for layer in self.model.nats_layers)
-
     @torch.no_grad()
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, V]`` of one new token ``[B]``; advances the cache."""
@@ -99,8 +118,7 @@ class GraphedDecoder:
         captured = self.graphs.get(plan)
         if captured is None or token.shape != captured.token.shape \
                 or self._buffers() != captured.bound_to \
-                or any(a is not b for a, b in zip(self._overrides(), captured.overrides,
-                                                  strict=True)):
+                or _overrides_changed(self.model, captured.overrides):
             return self._eager_then_capture(token, plan)
         captured.token.copy_(token)
         captured.graph.replay()
@@ -112,12 +130,7 @@ class GraphedDecoder:
         # before the bookkeeping moves the cache on, which follows the warm-up even if the
         # capture fails. A graph must not outlive the token buffer it reads, so the
         # decoder keeps it only once both succeeded.
-        overrides = self._overrides()
-        for override in overrides:
-            if isinstance(override, torch.Tensor) and override.device != token.device:
-                raise ValueError(f"CUDA-graph decoding reads the route override tensor on "
-                                 f"the GPU, so it must be on {token.device}, not "
-                                 f"{override.device}")
+        overrides = _overrides_on(self.model, token.device, "decoding")
         fixed_token = token.clone()
         warmed: list[torch.Tensor] = []
 
@@ -185,9 +198,6 @@ class GraphedPrefill:
         return [(t.data_ptr(), t.shape) for t in (*self.model.parameters(),
                                                   *self.model.buffers())]
 
-    def _overrides(self) -> tuple[RouteOverride, ...]:
-        return tuple(layer.route_override for layer in self.model.nats_layers)
-
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, HybridCache]:
         """Logits of the prompt ``[B, T]`` and the cache that decoding continues from."""
@@ -203,8 +213,7 @@ class GraphedPrefill:
         if captured is not None and self._bound_to() != captured.bound_to:
             self.graphs.clear()  # every graph reads the parameters where they were
             captured = None
-        if captured is None or any(a is not b for a, b in zip(
-                self._overrides(), captured.overrides, strict=True)):
+        if captured is None or _overrides_changed(self.model, captured.overrides):
             return self._eager_then_capture(key, input_ids)
         captured.ids.copy_(input_ids)
         captured.graph.replay()
@@ -217,11 +226,7 @@ class GraphedPrefill:
         # The warm-up is this prompt's real prefill; the capture records the same work on
         # a copy of the ids, kept with the graph, which must not outlive what it reads.
         self.graphs.pop(key, None)
-        for override in self._overrides():
-            if isinstance(override, torch.Tensor) and override.device != input_ids.device:
-                raise ValueError(f"CUDA-graph prefill reads the route override tensor on "
-                                 f"the GPU, so it must be on {input_ids.device}, not "
-                                 f"{override.device}")
+        overrides = _overrides_on(self.model, input_ids.device, "prefill")
         fixed_ids = input_ids.clone()
         # Autocast's cache of weight casts lives only as long as the caller's autocast
         # block: the graph must record the casts, not reads of a cache freed after it.
@@ -234,6 +239,6 @@ class GraphedPrefill:
                 lambda: self.model.prefill_compute(fixed_ids, finish=False),
                 input_ids.device)
         self.graphs[key] = _CapturedPrefill(graph, fixed_ids, logits, caches,
-                                            self._bound_to(), self._overrides())
+                                            self._bound_to(), overrides)
         self.captures += 1
         return warm
