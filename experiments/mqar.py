@@ -68,7 +68,7 @@ def main() -> None:
                        ["Accuracy: share of queries answered exactly, mean ± std over seeds "
                         f"({len(s['seeds'])}), the lr of the lowest validation loss per seed. "
                         "Softmax fraction and cost at the training slice; cost from "
-                        "nats/cost_model.py at 4k/32k tokens."])
+                        "src/nats/cost_model.py at 4k/32k tokens."])
 
 
 if __name__ == "__main__":

@@ -85,7 +85,7 @@ def main() -> None:
                         "softmax, NAtS-L rows; the softmax fraction of tokens otherwise. "
                         "Informative chunks hold a queried key-value pair, query chunks a "
                         "question and no pair, filler chunks neither. Mean ± std over "
-                        f"seeds ({len(s['seeds'])}); cost from nats/cost_model.py."])
+                        f"seeds ({len(s['seeds'])}); cost from src/nats/cost_model.py."])
 
 
 def _rate(routing: list[dict | None], key: str) -> str:

@@ -3,7 +3,7 @@ sibling, nothing imports ``experiments`` or ``benchmarks``, and no two modules i
 other in a cycle.
 
 Read from the source with ``ast`` (import-linter's graph builder cannot follow the
-``package-dir`` mapping that puts ``nats.kernels`` in ``kernels/``), so an import inside a
+``package-dir`` mapping that puts ``nats.kernels`` in ``src/kernels/``), so an import inside a
 function counts as much as one at the top of a file.
 """
 
@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+SRC = ROOT / "src"
 FOLDERS = {"kernels": "nats.kernels", "nats": "nats", "trainers": "nats.trainers",
            "search_spaces": "nats.search_spaces", "analysis": "nats.analysis",
            "evaluation": "nats.evaluation"}
-"""Source folder -> the package it installs as (pyproject's package-dir)."""
+"""Folder under src/ -> the package it installs as (pyproject's package-dir)."""
 LAYERS = (("nats.kernels",), ("nats",), ("nats.trainers",), ("nats.search_spaces",),
           ("nats.analysis", "nats.evaluation"), ("nats.cli",))
 """Lowest first; packages in one layer are siblings that must not import each other. A
@@ -28,13 +29,13 @@ SCRIPTS = {"experiments": "experiment scripts", "benchmarks": "developer benchma
 
 
 def _module_name(path: Path) -> str:
-    rel = path.relative_to(ROOT)
+    rel = path.relative_to(SRC)
     parts = [FOLDERS[rel.parts[0]], *rel.with_suffix("").parts[1:]]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _modules() -> dict[str, Path]:
-    return {_module_name(p): p for folder in FOLDERS for p in (ROOT / folder).rglob("*.py")}
+    return {_module_name(p): p for folder in FOLDERS for p in (SRC / folder).rglob("*.py")}
 
 
 def _imports(name: str, path: Path, known: set[str]) -> list[tuple[str, int, bool]]:
@@ -125,3 +126,12 @@ def test_no_import_cycles() -> None:
         if state[m] == 0:
             visit(m, [m])
     assert not cycles, cycles
+
+
+def test_the_repository_root_holds_no_package() -> None:
+    """A Python started in the root has it on ``sys.path``, so a package there shadows an
+    installed one of its name: a top-level ``kernels/`` hid Hugging Face's ``kernels``,
+    which transformers imports. The library's folders live under ``src/``."""
+    found = sorted(p.name for p in ROOT.iterdir()
+                   if (p / "__init__.py").is_file() or p.suffix == ".py")
+    assert not found, found

@@ -301,7 +301,7 @@ def test_bad_input_is_one_line(tmp_path: Path, capsys, argv: list[str], message:
 
 
 def test_prefill_is_timed_by_the_latency_module_on_the_first_slice(monkeypatch) -> None:
-    """One timer (nats/latency.py): a batch-1 forward over real tokens of the first slice."""
+    """One timer (src/nats/latency.py): a batch-1 forward over real tokens of the first slice."""
     import nats.latency
     from nats.trainers import build_batches
 

@@ -1,6 +1,8 @@
 """nats.hf: transformers' Auto classes, generate and Trainer give the native model's numbers."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,14 @@ MIXES = [("nats", "linear", "softmax"), ("nats", "nats"), ("linear", "softmax")]
 def _registered() -> None:
     register()
     register()  # idempotent
+
+
+def test_transformers_and_nats_hf_import_in_a_python_started_in_the_repository_root() -> None:
+    """The root is then on ``sys.path``; transformers must still find its own ``kernels``."""
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-c", "import transformers.modeling_utils, nats.hf"],
+                         cwd=root, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
 
 
 def budgeted_model(dtype: torch.dtype = torch.float32) -> NatsForCausalLM:

@@ -1,4 +1,4 @@
-"""The official-checkpoint converter (nats/official.py) against the official layout.
+"""The official-checkpoint converter (src/nats/official.py) against the official layout.
 
 The official key names and shapes below are written out from the official code
 (automl/NeuralAttentionSearchLinear at 90b4315: its NAtS-L layer, its model, and fla

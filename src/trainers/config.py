@@ -97,7 +97,7 @@ class TrainConfig:
     """Replay each step's GPU work from a CUDA graph; by default (``None``) wherever it can
     record (one process on a CUDA GPU, no ``compile``, no route exploration), else eager.
     A NAtS-L step is bound by Python and kernel launches, not by the GPU
-    (``trainers/step.py``). Recording needs batches of one shape and no route exploration
+    (``src/trainers/step.py``). Recording needs batches of one shape and no route exploration
     (its noise scale is read on the host); ``True`` refuses a run where it cannot record."""
     init_from: str | None = None
     """A saved model folder (``save_pretrained``/``nats export``) whose weights start the run."""

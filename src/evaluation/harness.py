@@ -134,7 +134,7 @@ def prefill_seconds(model: NatsForCausalLM, config: TrainConfig, seq_len: int,
                     device: torch.device) -> float:
     """Median wall time of a batch-1 forward over ``seq_len`` tokens of ``config``'s first
     evaluation batch (real data, so NAtS-L routes as it would): the search's latency
-    measure (nats/latency.py), under the evaluation's autocast."""
+    measure (src/nats/latency.py), under the evaluation's autocast."""
     input_ids = build_batches(config).eval(1)[0][0]
     return prefill_latency_ms(model, input_ids, seq_len, autocast_for("auto", device)) / 1e3
 

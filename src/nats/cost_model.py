@@ -62,7 +62,7 @@ A "linear" layer (the plain linear layer): ``F H E`` per token, no restores. (Th
 training kernels order the same computation differently; the count is of the
 token-by-token form that decoding runs.)
 
-**KV cache at context L** (nats/cache.py holds exactly this): the keys and values of
+**KV cache at context L** (src/nats/cache.py holds exactly this): the keys and values of
 the finished softmax chunks plus the open chunk's ``L mod C`` tokens, whatever its
 route, ``H r (dk/r + dv/r) = H (dk + dv)`` values a token::
 
