@@ -30,11 +30,15 @@ def _registered() -> None:
 
 
 def test_transformers_and_nats_hf_import_in_a_python_started_in_the_repository_root() -> None:
-    """The root is then on ``sys.path``; transformers must still find its own ``kernels``."""
+    """The root is then on ``sys.path``; nothing there may answer to ``kernels`` (Hugging
+    Face's, which transformers imports where it is installed) or to another bare name."""
     root = Path(__file__).resolve().parents[2]
-    run = subprocess.run([sys.executable, "-c", "import transformers.modeling_utils, nats.hf"],
-                         cwd=root, capture_output=True, text=True)
+    code = ("import importlib.util, transformers.modeling_utils, nats.hf; "
+            "spec = importlib.util.find_spec('kernels'); print(spec and spec.origin or '')")
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
+    origin = run.stdout.strip()  # where `kernels` is installed, if it is
+    assert not origin or "site-packages" in Path(origin).parts, origin
 
 
 def budgeted_model(dtype: torch.dtype = torch.float32) -> NatsForCausalLM:
