@@ -17,7 +17,7 @@ shapes (a server's length buckets, a benchmark).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, TypeVar
 
@@ -55,7 +55,11 @@ def warm_then_capture(warm_up: Callable[[], W], record: Callable[[], R], device:
 
 
 Signature = list[tuple[int, torch.Size]]
-"""Where each of the cache's buffers is and its shape: what a captured step is bound to."""
+"""Where each tensor a graph reads is and its shape: what a capture is bound to."""
+
+
+def _signature(tensors: Iterable[torch.Tensor]) -> Signature:
+    return [(t.data_ptr(), t.shape) for t in tensors]
 
 
 def _overrides(model: NatsForCausalLM) -> tuple[RouteOverride, ...]:
@@ -109,7 +113,7 @@ class GraphedDecoder:
         self.captures = 0
 
     def _buffers(self) -> Signature:
-        return [(t.data_ptr(), t.shape) for t in self.cache.buffers()]
+        return _signature(self.cache.buffers())
 
     @torch.no_grad()
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
@@ -195,8 +199,7 @@ class GraphedPrefill:
         self.graphs.clear()
 
     def _bound_to(self) -> Signature:
-        return [(t.data_ptr(), t.shape) for t in (*self.model.parameters(),
-                                                  *self.model.buffers())]
+        return _signature((*self.model.parameters(), *self.model.buffers()))
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, HybridCache]:
