@@ -18,8 +18,8 @@ from .ops import (
     merge_branches,
     moments_accumulate,
     moments_commit,
+    qk_norms,
     resolve_backend,
-    rms_and_l2_norm,
     rms_norm,
     short_conv,
 )
@@ -71,8 +71,8 @@ __all__ = [
     "moments_accumulate",
     "moments_commit",
     "num_chunks",
+    "qk_norms",
     "resolve_backend",
-    "rms_and_l2_norm",
     "rms_norm",
     "short_conv",
 ]

@@ -121,15 +121,23 @@ def l2_norm(x: torch.Tensor, eps: float = 1e-6, *, backend: Backend = "auto") ->
     return _fused(backend, x, "norms").l2_norm(x, eps)
 
 
-def rms_and_l2_norm(x: torch.Tensor, weight: torch.Tensor, parts: int, rms_eps: float,
-                    l2_eps: float, *, backend: Backend = "auto",
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The softmax heads' RMS norm and the linear heads' L2 norm of one shared q or k
-    ``[..., H, D]``, from one read of it; see :func:`reference.norms.rms_and_l2_norm`."""
-    if x.shape[-1] % parts or weight.shape != (x.shape[-1] // parts,):
-        raise ValueError(f"rms_and_l2_norm needs heads of D = {x.shape[-1]} in {parts} equal "
-                         f"parts and a weight of D / parts, got {list(weight.shape)}")
-    return _fused(backend, x, "norms").rms_and_l2_norm(x, weight, parts, rms_eps, l2_eps)
+def qk_norms(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+             parts: int, q_eps: float, k_eps: float, l2_eps: float, *,
+             backend: Backend = "auto",
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The softmax heads' RMS norms and the linear heads' L2 norms of a layer's shared q
+    and k ``[..., H, D]``, from one read of each and one launch for all four;
+    see :func:`reference.norms.qk_norms`."""
+    if q.shape != k.shape or q.dtype != k.dtype:
+        raise ValueError(f"qk_norms needs q and k of one shape and dtype, got "
+                         f"{list(q.shape)} {q.dtype} and {list(k.shape)} {k.dtype}")
+    sub = q.shape[-1] // parts
+    if q.shape[-1] % parts or q_weight.shape != (sub,) or k_weight.shape != (sub,):
+        raise ValueError(f"qk_norms needs heads of D = {q.shape[-1]} in {parts} equal parts "
+                         f"and weights of D / parts, got {list(q_weight.shape)} and "
+                         f"{list(k_weight.shape)}")
+    return _fused(backend, q, "norms").qk_norms(q, k, q_weight, k_weight, parts, q_eps, k_eps,
+                                                l2_eps)
 
 
 def merge_branches(a: torch.Tensor, b: torch.Tensor, weights: torch.Tensor,

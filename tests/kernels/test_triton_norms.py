@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nats.kernels import l2_norm, merge_branches, rms_and_l2_norm, rms_norm
+from nats.kernels import l2_norm, merge_branches, qk_norms, rms_norm
 from nats.kernels.reference import norms as reference
 
 from .inputs import CUDA, DEVICE, check
@@ -97,26 +97,42 @@ def test_bf16_model_width_matches_reference_on_gpu(dim: int) -> None:
     compare("rms", x, True, 1e-2, 1e-2)
 
 
-def compare_pair(x: torch.Tensor, parts: int, out_tol: float, grad_tol: float) -> None:
-    """``rms_and_l2_norm`` on Triton against the float32 reference's two norms: both
-    outputs, and dx and dweight from output gradients on both (as a layer's q feeds both
-    branches)."""
+def compare_qk(q: torch.Tensor, k: torch.Tensor, parts: int, out_tol: float,
+               grad_tol: float) -> None:
+    """``qk_norms`` on Triton against the float32 reference's four norms: every output,
+    and dq, dk and both weights' gradients from output gradients on all four (as a layer's
+    q and k each feed both branches). The two weights and eps differ, so a kernel that
+    mixed up q's and k's parts fails."""
     gen = torch.Generator().manual_seed(6)
-    weight = (torch.rand(x.shape[-1] // parts, generator=gen) + 0.5).to(DEVICE)
-    xt, xr = x.detach().clone().requires_grad_(), x.detach().float().requires_grad_()
-    wt, wr = weight.clone().requires_grad_(), weight.clone().requires_grad_()
-    outs = rms_and_l2_norm(xt, wt, parts, 1e-5, 1e-6, backend="triton")
-    refs = reference.rms_and_l2_norm(xr, wr, parts, 1e-5, 1e-6)
-    for name, got, want in zip(("rms", "l2"), outs, refs, strict=True):
-        assert got.dtype == x.dtype and got.shape == want.shape and got.is_contiguous(), name
+    sub = q.shape[-1] // parts
+    weights = [(torch.rand(sub, generator=gen) + 0.5).to(DEVICE) for _ in range(2)]
+    eps = (1e-5, 0.5)  # k's large enough to move every output
+    inputs_t = [t.detach().clone().requires_grad_() for t in (q, k, *weights)]
+    inputs_r = [t.detach().float().requires_grad_() for t in (q, k, *weights)]
+    outs = qk_norms(*inputs_t, parts, *eps, 1e-6, backend="triton")
+    refs = reference.qk_norms(*inputs_r, parts, *eps, 1e-6)
+    for name, got, want in zip(("q rms", "q l2", "k rms", "k l2"), outs, refs, strict=True):
+        assert got.dtype == q.dtype and got.shape == want.shape and got.is_contiguous(), name
         check(got, want, out_tol, name)
     dys = [torch.randn(r.shape, generator=gen).to(DEVICE) for r in refs]
-    grads = torch.autograd.grad(outs, [xt, wt], [d.to(x.dtype) for d in dys])
-    grads_ref = torch.autograd.grad(refs, [xr, wr], dys)
-    for name, got, want, given in zip(("dx", "dweight"), grads, grads_ref, (xt, wt),
-                                      strict=True):
+    grads = torch.autograd.grad(outs, inputs_t, [d.to(q.dtype) for d in dys])
+    grads_ref = torch.autograd.grad(refs, inputs_r, dys)
+    for name, got, want, given in zip(("dq", "dk", "dq_weight", "dk_weight"), grads,
+                                      grads_ref, inputs_t, strict=True):
         assert got.dtype == given.dtype and got.shape == given.shape, name
         check(got, want, grad_tol, name)
+
+
+def q_and_k(batch: int, seq_len: int, heads: int, dim: int, dtype: torch.dtype, seed: int,
+            strided: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's q and k ``[B, T, heads, dim]``: the first two slices of one projection
+    (strided rows of one layout), or two contiguous tensors."""
+    if not strided:
+        gen = torch.Generator().manual_seed(seed)
+        return tuple((torch.randn(batch, seq_len, heads, dim, generator=gen) * 3)
+                     .to(dtype).to(DEVICE) for _ in range(2))
+    fused = heads_of_projection(batch, seq_len, 2 * heads, dim, dtype, seed)
+    return fused[:, :, :heads], fused[:, :, heads:]
 
 
 @pytest.mark.skipif(CUDA, reason="interpreter shapes; the GPU runs the bf16 tests")
@@ -124,32 +140,45 @@ def compare_pair(x: torch.Tensor, parts: int, out_tol: float, grad_tol: float) -
                          [(torch.float32, 1e-6, 1e-5), (torch.float16, 2e-3, 4e-3)])
 @pytest.mark.parametrize(("shape", "parts", "strided"), [
     ((2, 5, 3, 16), 2, True), ((3, 7, 2, 32), 4, False), ((1, 40, 2, 16), 1, True),
-    ((2, 3, 2, 24), 2, False),  # sub-heads of 12: the two row norms instead
+    ((2, 3, 2, 24), 2, False),  # sub-heads of 12: the row norms instead
 ])
-def test_rms_and_l2_norm_matches_reference_interpreted(
+def test_qk_norms_match_reference_interpreted(
         dtype: torch.dtype, out_tol: float, grad_tol: float, shape: tuple[int, ...],
         parts: int, strided: bool) -> None:
-    if strided:
-        x = heads_of_projection(*shape, dtype=dtype, seed=7)
-        assert not x.is_contiguous()
-    else:
-        x = (torch.randn(shape, generator=torch.Generator().manual_seed(7)) * 3).to(dtype)
-    compare_pair(x.to(DEVICE), parts, out_tol, grad_tol)
+    q, k = q_and_k(*shape, dtype=dtype, seed=7, strided=strided)
+    assert q.is_contiguous() != strided
+    compare_qk(q, k, parts, out_tol, grad_tol)
+
+
+def test_qk_norms_of_q_and_k_in_different_layouts_interpreted() -> None:
+    """q a strided slice, k a contiguous tensor: the rows of the two no longer share one
+    layout, and each is read as its own."""
+    q = heads_of_projection(2, 5, 3, 16, torch.float32, seed=9)
+    k = (torch.randn(2, 5, 3, 16, generator=torch.Generator().manual_seed(10)) * 3).to(DEVICE)
+    compare_qk(q, k, 2, 1e-6, 1e-5)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("heads", "dim", "parts"), [(6, 128, 2), (16, 128, 2), (4, 64, 2),
                                                      (4, 32, 1)])
-def test_bf16_rms_and_l2_norm_matches_reference_on_gpu(heads: int, dim: int,
-                                                       parts: int) -> None:
-    compare_pair(heads_of_projection(4, 1000, heads, dim, torch.bfloat16, seed=8), parts,
-                 1e-2, 1e-2)
+def test_bf16_qk_norms_match_reference_on_gpu(heads: int, dim: int, parts: int) -> None:
+    compare_qk(*q_and_k(4, 1000, heads, dim, torch.bfloat16, seed=8, strided=True), parts,
+               1e-2, 1e-2)
 
 
-def test_rms_and_l2_norm_rejects_a_weight_of_the_wrong_width() -> None:
+@pytest.mark.gpu
+def test_bf16_qk_norms_of_one_decode_token_match_reference_on_gpu() -> None:
+    """A decode step's shapes: one token of one sequence, six heads of 128."""
+    compare_qk(*q_and_k(1, 1, 6, 128, torch.bfloat16, seed=11, strided=True), 2, 1e-2, 1e-2)
+
+
+def test_qk_norms_reject_weights_of_the_wrong_width_and_unequal_q_and_k() -> None:
     x = torch.zeros(2, 3, 2, 16, device=DEVICE)
+    w = torch.ones(8, device=DEVICE)
     with pytest.raises(ValueError, match="D / parts"):
-        rms_and_l2_norm(x, torch.ones(16, device=DEVICE), 2, 1e-5, 1e-6)
+        qk_norms(x, x, w, torch.ones(16, device=DEVICE), 2, 1e-5, 1e-5, 1e-6)
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        qk_norms(x, x[:, :2], w, w, 2, 1e-5, 1e-5, 1e-6)
 
 
 def compare_merge(a: torch.Tensor, b: torch.Tensor, norm_a: bool, norm_b: bool,

@@ -191,15 +191,15 @@ def test_chunk_pools_by_hand():
 ])
 def test_both_branches_norms_of_q_and_k_come_from_one_kernel(monkeypatch, softmax_qkv,
                                                               linear_op, fused):
-    """Where both branches read the shared q and k, one ``rms_and_l2_norm`` per tensor makes
+    """Where both branches read the shared q and k, one ``qk_norms`` call makes
     the softmax heads' RMS norms and the linear heads' L2 norms, on the Triton kernels
     (interpreted without a GPU); output and every gradient equal the layer's two separate
     norms of each (``_shares_qk_norms`` off)."""
     from nats.layers import nats_attention
 
     calls = []
-    real = nats_attention.rms_and_l2_norm
-    monkeypatch.setattr(nats_attention, "rms_and_l2_norm",
+    real = nats_attention.qk_norms
+    monkeypatch.setattr(nats_attention, "qk_norms",
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))
     layer = tiny_model(("nats",), dtype=torch.float32, head_dim_k=32, head_dim_v=32,
                        backend="triton", softmax_qkv=softmax_qkv, linear_op=linear_op,
@@ -213,6 +213,6 @@ def test_both_branches_norms_of_q_and_k_come_from_one_kernel(monkeypatch, softma
         y = layer(x)[0]
         y.square().sum().backward()
         results.append((y, *(p.grad.clone() for p in layer.parameters() if p.grad is not None)))
-    assert len(calls) == (2 if fused else 0)
+    assert len(calls) == (1 if fused else 0)
     for got, want in zip(*results, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -29,14 +29,21 @@ def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def rms_and_l2_norm(x: torch.Tensor, weight: torch.Tensor, parts: int, rms_eps: float,
-                    l2_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two norms a NAtS-L layer takes of one shared q or k ``[..., H, D]``: the RMS norm
-    (times ``weight`` ``[D / parts]``) of each of its ``parts`` sub-heads, as ``[..., H *
-    parts, D / parts]`` (the softmax heads), and the L2 norm of each head (the linear
-    heads)."""
+def _rms_and_l2_norm(x: torch.Tensor, weight: torch.Tensor, parts: int, rms_eps: float,
+                     l2_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     sub = x.reshape(*x.shape[:-2], x.shape[-2] * parts, x.shape[-1] // parts)
     return rms_norm(sub, weight, rms_eps), l2_norm(x, l2_eps)
+
+
+def qk_norms(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+             parts: int, q_eps: float, k_eps: float, l2_eps: float,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The four norms a NAtS-L layer takes of its shared q and k ``[..., H, D]``: of each,
+    the RMS norm (times its weight ``[D / parts]``, with its eps) of each of its ``parts``
+    sub-heads, as ``[..., H * parts, D / parts]`` (the softmax heads), and the L2 norm of
+    each head (the linear heads). Returns ``(q_rms, q_l2, k_rms, k_l2)``."""
+    return (*_rms_and_l2_norm(q, q_weight, parts, q_eps, l2_eps),
+            *_rms_and_l2_norm(k, k_weight, parts, k_eps, l2_eps))
 
 
 def merge_branches(a: torch.Tensor, b: torch.Tensor, weights: torch.Tensor,

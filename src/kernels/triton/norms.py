@@ -131,10 +131,16 @@ def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 @triton.jit
-def _rms_l2_fwd(x_ptr, w_ptr, y_rms_ptr, y_l2_ptr, r_rms_ptr, r_l2_ptr, n_rows, inner,
-                stride_outer, stride_inner, rms_eps, l2_eps, D: tl.constexpr, R: tl.constexpr,
+def _rms_l2_fwd(x_ptr, x2_ptr, w_ptr, w2_ptr, y_rms_ptr, y2_rms_ptr, y_l2_ptr, y2_l2_ptr,
+                r_rms_ptr, r2_rms_ptr, r_l2_ptr, r2_l2_ptr, n_rows, inner, stride_outer,
+                stride_inner, rms_eps, rms_eps2, l2_eps, D: tl.constexpr, R: tl.constexpr,
                 BLOCK_ROWS: tl.constexpr):
-    # A row is one head of D; its R sub-rows of D / R are the softmax heads.
+    # A row is one head of D; its R sub-rows of D / R are the softmax heads. Grid axis 1
+    # picks the tensor, q or k (the "2" arguments): one launch for both, whose rows share
+    # one layout.
+    if tl.program_id(1) == 1:
+        x_ptr, w_ptr, rms_eps = x2_ptr, w2_ptr, rms_eps2
+        y_rms_ptr, y_l2_ptr, r_rms_ptr, r_l2_ptr = y2_rms_ptr, y2_l2_ptr, r2_rms_ptr, r2_l2_ptr
     DS: tl.constexpr = D // R
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, D)
@@ -156,13 +162,18 @@ def _rms_l2_fwd(x_ptr, w_ptr, y_rms_ptr, y_l2_ptr, r_rms_ptr, r_l2_ptr, n_rows, 
 
 
 @triton.jit
-def _rms_l2_bwd(x_ptr, w_ptr, r_rms_ptr, r_l2_ptr, dy_rms_ptr, dy_l2_ptr, dx_ptr, dw_ptr,
-                n_rows, inner, stride_outer, stride_inner, D: tl.constexpr, R: tl.constexpr,
-                BLOCK_ROWS: tl.constexpr):
+def _rms_l2_bwd(x_ptr, x2_ptr, w_ptr, w2_ptr, r_rms_ptr, r2_rms_ptr, r_l2_ptr, r2_l2_ptr,
+                dy_rms_ptr, dy2_rms_ptr, dy_l2_ptr, dy2_l2_ptr, dx_ptr, dx2_ptr, dw_ptr,
+                dw2_ptr, n_rows, inner, stride_outer, stride_inner, D: tl.constexpr,
+                R: tl.constexpr, BLOCK_ROWS: tl.constexpr):
     # Each norm's gradient as in _row_norm_bwd (the L2 norm's divisor is 1), summed into
-    # one dx; dw per program, summed over its rows and sub-rows.
+    # one dx; dw per program, summed over its rows and sub-rows. Grid axis 1 as in the
+    # forward.
     DS: tl.constexpr = D // R
     pid = tl.program_id(0)
+    if tl.program_id(1) == 1:
+        x_ptr, w_ptr, r_rms_ptr, r_l2_ptr = x2_ptr, w2_ptr, r2_rms_ptr, r2_l2_ptr
+        dy_rms_ptr, dy_l2_ptr, dx_ptr, dw_ptr = dy2_rms_ptr, dy2_l2_ptr, dx2_ptr, dw2_ptr
     rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, D)
     row_ok = rows < n_rows
@@ -187,55 +198,69 @@ def _rms_l2_bwd(x_ptr, w_ptr, r_rms_ptr, r_l2_ptr, dy_rms_ptr, dy_l2_ptr, dx_ptr
     tl.store(dw_ptr + pid * DS + tl.arange(0, DS), tl.sum(tl.sum(dys * xhs, axis=1), axis=0))
 
 
-class _RmsL2Norm(torch.autograd.Function):
+class _QKNorms(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, parts: int, rms_eps: float,
-                l2_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = x.shape
-        x, inner, s_outer, s_inner = _rows(x)
-        dim = x.shape[-1]
-        n_rows = x.numel() // dim
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                k_weight: torch.Tensor, parts: int, q_eps: float, k_eps: float, l2_eps: float,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        shape = q.shape
+        q, k, layout = _shared_rows(q, k)
+        dim = q.shape[-1]
+        n_rows = q.numel() // dim
         block_rows, _ = _launch_shape(dim)
-        y_rms = empty(*shape[:-2], shape[-2] * parts, dim // parts, dtype=x.dtype,
-                      device=x.device)
-        y_l2 = empty(*shape, dtype=x.dtype, device=x.device)
-        r_rms = empty(n_rows, parts, dtype=torch.float32, device=x.device)
-        r_l2 = empty(n_rows, dtype=torch.float32, device=x.device)
-        _rms_l2_fwd[(triton.cdiv(n_rows, block_rows),)](
-            x, weight, y_rms, y_l2, r_rms, r_l2, n_rows, inner, s_outer, s_inner, rms_eps,
-            l2_eps, D=dim, R=parts, BLOCK_ROWS=block_rows)
-        ctx.save_for_backward(x, weight, r_rms, r_l2)
-        ctx.layout, ctx.shape = (inner, s_outer, s_inner), shape
-        return y_rms, y_l2
+        rms_shape = (*shape[:-2], shape[-2] * parts, dim // parts)
+        ys = [empty(*s, dtype=q.dtype, device=q.device) for s in (rms_shape, shape) * 2]
+        r_rms = empty(2, n_rows, parts, dtype=torch.float32, device=q.device)
+        r_l2 = empty(2, n_rows, dtype=torch.float32, device=q.device)
+        _rms_l2_fwd[(triton.cdiv(n_rows, block_rows), 2)](
+            q, k, q_weight, k_weight, ys[0], ys[2], ys[1], ys[3], r_rms[0], r_rms[1], r_l2[0],
+            r_l2[1], n_rows, *layout, q_eps, k_eps, l2_eps, D=dim, R=parts,
+            BLOCK_ROWS=block_rows)
+        ctx.save_for_backward(q, k, q_weight, k_weight, r_rms, r_l2)
+        ctx.layout, ctx.shape = layout, shape
+        return tuple(ys)
 
     @staticmethod
-    def backward(ctx, dy_rms: torch.Tensor | None, dy_l2: torch.Tensor | None):
-        x, weight, r_rms, r_l2 = ctx.saved_tensors
-        inner, s_outer, s_inner = ctx.layout
-        dim, parts = x.shape[-1], r_rms.shape[1]
-        n_rows = r_l2.numel()
+    def backward(ctx, *dys: torch.Tensor | None):
+        q, k, q_weight, k_weight, r_rms, r_l2 = ctx.saved_tensors
+        dim, parts, n_rows = q.shape[-1], r_rms.shape[2], r_l2.shape[1]
         block_rows, _ = _launch_shape(dim)
         programs = triton.cdiv(n_rows, block_rows)
-        zeros = dict(dtype=x.dtype, device=x.device)
-        dy_rms = torch.zeros(n_rows * dim, **zeros) if dy_rms is None else dy_rms.contiguous()
-        dy_l2 = torch.zeros(n_rows * dim, **zeros) if dy_l2 is None else dy_l2.contiguous()
-        dx = empty(*ctx.shape, dtype=x.dtype, device=x.device)
-        dw = empty(programs, dim // parts, dtype=torch.float32, device=x.device)
-        _rms_l2_bwd[(programs,)](
-            x, weight, r_rms, r_l2, dy_rms, dy_l2, dx, dw, n_rows, inner, s_outer, s_inner,
-            D=dim, R=parts, BLOCK_ROWS=block_rows)
-        return dx, dw.sum(0).to(weight.dtype), None, None, None
+        dys = [torch.zeros(n_rows * dim, dtype=q.dtype, device=q.device) if d is None
+               else d.contiguous() for d in dys]
+        dx = empty(2, *ctx.shape, dtype=q.dtype, device=q.device)
+        dw = empty(2, programs, dim // parts, dtype=torch.float32, device=q.device)
+        _rms_l2_bwd[(programs, 2)](
+            q, k, q_weight, k_weight, r_rms[0], r_rms[1], r_l2[0], r_l2[1], dys[0], dys[2],
+            dys[1], dys[3], dx[0], dx[1], dw[0], dw[1], n_rows, *ctx.layout, D=dim, R=parts,
+            BLOCK_ROWS=block_rows)
+        dw = dw.sum(1)
+        return (dx[0], dx[1], dw[0].to(q_weight.dtype), dw[1].to(k_weight.dtype),
+                None, None, None, None)
 
 
-def rms_and_l2_norm(x: torch.Tensor, weight: torch.Tensor, parts: int, rms_eps: float,
-                    l2_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """See :func:`nats.kernels.reference.norms.rms_and_l2_norm`; one launch each way where
-    the head and sub-head widths are powers of two, else the two row norms."""
-    dim = x.shape[-1]
+def _shared_rows(q: torch.Tensor, k: torch.Tensor,
+                 ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]:
+    """``q`` and ``k`` as row grids of one layout (``_rows``): each copied where theirs
+    differ (a layer's q and k, slices of one projection, share it)."""
+    (q, *q_layout), (k, *k_layout) = _rows(q), _rows(k)
+    if q_layout != k_layout:
+        (q, *q_layout), (k, *_) = _rows(q.contiguous()), _rows(k.contiguous())
+    return q, k, tuple(q_layout)
+
+
+def qk_norms(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+             parts: int, q_eps: float, k_eps: float, l2_eps: float,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See :func:`nats.kernels.reference.norms.qk_norms`; one launch each way for all
+    four where the head and sub-head widths are powers of two, else the row norms."""
+    dim = q.shape[-1]
     if not (is_power_of_two(dim) and is_power_of_two(parts)) or dim < 2 * parts:
-        sub = x.reshape(*x.shape[:-2], x.shape[-2] * parts, dim // parts)
-        return rms_norm(sub, weight, rms_eps), l2_norm(x, l2_eps)
-    return _RmsL2Norm.apply(x, weight, parts, rms_eps, l2_eps)
+        heads = (*q.shape[:-2], q.shape[-2] * parts, dim // parts)
+        return (rms_norm(q.reshape(heads), q_weight, q_eps), l2_norm(q, l2_eps),
+                rms_norm(k.reshape(heads), k_weight, k_eps), l2_norm(k, l2_eps))
+    return _QKNorms.apply(q, k, q_weight, k_weight.to(q_weight.dtype), parts, q_eps, k_eps,
+                          l2_eps)
 
 
 @triton.jit

@@ -24,7 +24,7 @@ from nats.kernels import (
     chunk_routes,
     hybrid_softmax_attention,
     merge_branches,
-    rms_and_l2_norm,
+    qk_norms,
 )
 from nats.kernels.decode import (
     AttentionSplits,
@@ -147,18 +147,17 @@ class NatsAttention(nn.Module):
     def _branch_heads(self, qkv: tuple[torch.Tensor, ...], start: int | torch.Tensor,
                       ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """``(qs, ks, vs), (ql, kl, vl)``: both branches' heads (:meth:`_softmax_heads`,
-        ``linear.features``), the norms of the shared q and k taken by one kernel each
-        where :meth:`_shares_qk_norms` (one read of q and of k, one gradient for each)."""
+        ``linear.features``), the norms of the shared q and k taken by one kernel
+        where :meth:`_shares_qk_norms` (one read of q and of k, one launch each way)."""
         if not self._shares_qk_norms():
             return self._softmax_heads(qkv, start), self.linear.features(*qkv[:3])
         cfg = self.cfg
         q, k, v = qkv[:3]
         heads = (*q.shape[:2], cfg.n_heads, -1)
         r = cfg.softmax_heads_per_head
-        qs, ql = rms_and_l2_norm(q.view(heads), self.q_norm.weight, r, self.q_norm.eps,
-                                 QK_NORM_EPS, backend=cfg.backend)
-        ks, kl = rms_and_l2_norm(k.view(heads), self.k_norm.weight, r, self.k_norm.eps,
-                                 QK_NORM_EPS, backend=cfg.backend)
+        qs, ql, ks, kl = qk_norms(q.view(heads), k.view(heads), self.q_norm.weight,
+                                  self.k_norm.weight, r, self.q_norm.eps, self.k_norm.eps,
+                                  QK_NORM_EPS, backend=cfg.backend)
         qs, ks = self._rotated(qs, ks, start)
         return (qs, ks, v.view(*q.shape[:2], cfg.n_heads * r, -1)), (ql, kl, v.view(heads))
 
