@@ -13,7 +13,9 @@ bookkeeping between steps (growing a full buffer) may replace buffers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from collections.abc import Iterable
+from dataclasses import dataclass, fields, replace
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -23,10 +25,21 @@ def _nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+B = TypeVar("B", bound="_Buffers")
+
+
 class _Buffers:
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor the cache holds (a captured decode step is bound to these)."""
         return [v for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)]
+
+    def cloned(self: B, names: Iterable[str] | None = None) -> B:
+        """This cache with its own copy of each tensor (of the fields ``names``, default
+        all): a prefill replayed from a CUDA graph wrote them in memory the next replay
+        refills."""
+        names = [f.name for f in fields(self)] if names is None else list(names)
+        return replace(self, **{n: v.clone() for n in names
+                                if isinstance(v := getattr(self, n), torch.Tensor)})
 
 
 @dataclass

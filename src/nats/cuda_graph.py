@@ -18,12 +18,12 @@ shapes (a server's length buckets, a benchmark).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from .cache import HybridCache, LayerCache
+from .cache import HybridCache
 from .layers.routing import RouteOverride
 
 if TYPE_CHECKING:  # the model imports this module
@@ -169,12 +169,6 @@ class _CapturedPrefill:
     overrides: tuple[RouteOverride, ...]
 
 
-def _cloned(cache: LayerCache) -> LayerCache:
-    """``cache`` with its own copy of every tensor: a replay refills the graph's."""
-    return replace(cache, **{f.name: v.clone() for f in fields(cache)
-                             if isinstance(v := getattr(cache, f.name), torch.Tensor)})
-
-
 class GraphedPrefill:
     """``prefill(input_ids)`` does what ``model.prefill(input_ids)`` does, on a GPU, for a
     model in eval mode.
@@ -220,8 +214,7 @@ class GraphedPrefill:
             return self._eager_then_capture(key, input_ids)
         captured.ids.copy_(input_ids)
         captured.graph.replay()
-        cache = self.model.prompt_cache(captured.caches, input_ids)
-        cache.layers = [_cloned(layer) for layer in cache.layers]
+        cache = self.model.prompt_cache(captured.caches, input_ids, own=True)
         return captured.logits.clone(), cache
 
     def _eager_then_capture(self, key: tuple, input_ids: torch.Tensor,

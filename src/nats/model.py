@@ -110,13 +110,17 @@ class CausalLMOutput:
     routable_frac: list[torch.Tensor | None] = field(default_factory=list)
 
 
-PendingCache = LayerCache | Callable[[], LayerCache]
+PendingCache = LayerCache | Callable[[bool], LayerCache]
 """A layer's prefill cache, or a finisher that returns it (``NatsAttention.prefill``)."""
 
 
-def finished(cache: PendingCache) -> LayerCache:
-    """A layer's prefill cache, or what its finisher returns."""
-    return cache() if callable(cache) else cache
+def finished(cache: PendingCache, own: bool = False) -> LayerCache:
+    """A layer's prefill cache, or what its finisher returns; with ``own``, a cache that
+    shares no memory with the prefill's tensors (a CUDA graph's replay refills those), of
+    which a finisher copies only what it did not make itself."""
+    if callable(cache):
+        return cache(own)
+    return cache.cloned() if own else cache
 
 
 def _check_labels(labels: torch.Tensor) -> None:
@@ -224,11 +228,13 @@ class NatsForCausalLM(nn.Module):
         return self.lm_head(self.norm(x)), caches
 
     @staticmethod
-    def prompt_cache(caches: list[PendingCache], input_ids: torch.Tensor) -> HybridCache:
-        """The whole model's cache after the prompt ``input_ids`` from its layers'."""
+    def prompt_cache(caches: list[PendingCache], input_ids: torch.Tensor, own: bool = False,
+                     ) -> HybridCache:
+        """The whole model's cache after the prompt ``input_ids`` from its layers' (with
+        ``own``, sharing no memory with them: :func:`finished`)."""
         position = input_ids.shape[1]
         return HybridCache(
-            layers=[finished(cache) for cache in caches], position=position,
+            layers=[finished(cache, own) for cache in caches], position=position,
             # Filled on the device: a tensor made from the host value is a blocking copy.
             position_t=torch.full((), position, device=input_ids.device))
 

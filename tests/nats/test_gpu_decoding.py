@@ -205,8 +205,9 @@ def test_graphed_prefill_equals_eager_prefill():
     """A prefill replayed from a CUDA graph gives the eager prefill's logits and cache (a
     prompt that ends inside a chunk, NAtS-L stores sized after the replay): for the prompt
     it captured, for new prompts of that shape (replayed, no capture; each cache its own
-    memory, untouched by later replays) and after a shape or route override changed
-    (captured anew). Decoding from a replayed cache continues as from the eager one."""
+    memory, untouched by later replays), for prompts shorter than a chunk, and after a
+    shape or route override changed (captured anew). Decoding from a replayed cache
+    continues as from the eager one."""
     from nats.cuda_graph import GraphedPrefill
 
     cfg = NatsConfig(vocab_size=512, d_model=256, n_layers=3, n_heads=4, softmax_heads_per_head=2,
@@ -232,10 +233,13 @@ def test_graphed_prefill_equals_eager_prefill():
                            model.decode_step(token, want).float()) < 1e-5
     _, short = prefill(ids[3, :, :40])
     _assert_same_cache(short, model.prefill(ids[3, :, :40])[1])
+    tiny = [prefill(prompt[:, :10])[1] for prompt in ids[2:]]  # no finished chunk, replayed
+    for prompt, cache in zip(ids[2:], tiny, strict=True):
+        _assert_same_cache(cache, model.prefill(prompt[:, :10])[1])
     model.set_route_override(0.5)
     _, half = prefill(ids[3])
     _assert_same_cache(half, model.prefill(ids[3])[1])
-    assert prefill.captures == 3
+    assert prefill.captures == 4
     assert half.layers[0].store_chunks.eq(3).all()  # every other of 6 finished chunks
 
 

@@ -261,10 +261,12 @@ class NatsAttention(nn.Module):
                 chunk_v=self._open_chunk(vs, done), open_len=seq_len - done,
                 pool_sum=upcast(x[:, done:]).sum(1), pool_max=self._open_max(x, done))
 
-            def cache() -> NatsLayerCache:
+            def cache(own: bool = False) -> NatsLayerCache:
+                # The packed store and its length are new tensors; the parts are not.
                 store_k, store_v, store_chunks, most = store()
-                return NatsLayerCache(**parts, store_k=store_k, store_v=store_v,
+                made = NatsLayerCache(**parts, store_k=store_k, store_v=store_v,
                                       store_len=store_chunks * c, most_filed=most)
+                return made.cloned(parts) if own else made
         routing = LayerRouting(routes=routes, probs=decided.probs, attn_frac=decided.attn_frac,
                                reg=cfg.reg_lambda * decided.reg,
                                routable_frac=decided.routable_frac)
@@ -326,11 +328,12 @@ class NatsAttention(nn.Module):
         """
         c, h, r = self.cfg.chunk_size, self.cfg.n_heads, self.cfg.softmax_heads_per_head
         batch = ks.shape[0]
-        if done == 0:
-            empty = (ks.new_zeros(batch, h, r, 1, c, ks.shape[-1]),
-                     vs.new_zeros(batch, h, r, 1, c, vs.shape[-1]),
-                     torch.zeros(batch, h, dtype=torch.long, device=ks.device), 0)
-            return lambda: empty
+        if done == 0:  # a new empty store at each call, as a packed one is
+            kind = dict(dtype=ks.dtype, device=ks.device)
+            dk, dv = ks.shape[-1], vs.shape[-1]
+            return lambda: (torch.zeros(batch, h, r, 1, c, dk, **kind),
+                            torch.zeros(batch, h, r, 1, c, dv, **kind),
+                            torch.zeros(batch, h, dtype=torch.long, device=ks.device), 0)
         is_sm = routes[:, :done, :, SOFTMAX] > 0.5  # [B, done, H]
         counts = is_sm.sum(1)
         # Softmax chunks first, each group in chunk order: a stable sort on "is linear".
@@ -344,12 +347,15 @@ class NatsAttention(nn.Module):
                 copied.record()
 
         def pack(t: torch.Tensor, filled: int) -> torch.Tensor:
+            # Gathered straight into the store with its room: one copy of the keys.
             d = t.shape[-1]
             chunks = t[:, : done * c].reshape(batch, done, c, h, r, d).permute(0, 3, 1, 2, 4, 5)
             idx = order[:, :filled].permute(0, 2, 1)[..., None, None, None]
             idx = idx.expand(-1, -1, -1, c, r, d)
-            room = (0, 0, 0, 0, 0, max(1, filled // 4))
-            return F.pad(torch.gather(chunks, 2, idx).permute(0, 1, 4, 2, 3, 5), room)
+            packed = t.new_empty(batch, h, r, filled + max(1, filled // 4), c, d)
+            torch.gather(chunks, 2, idx, out=packed[:, :, :, :filled].permute(0, 1, 3, 4, 2, 5))
+            packed[:, :, :, filled:].zero_()
+            return packed
 
         def finish() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
             if copied is not None:
