@@ -98,7 +98,7 @@ def test_bf16_model_width_matches_reference_on_gpu(dim: int) -> None:
 
 
 def compare_qk(q: torch.Tensor, k: torch.Tensor, parts: int, out_tol: float,
-               grad_tol: float) -> None:
+               grad_tol: float, q_weight_dtype: torch.dtype = torch.float32) -> None:
     """``qk_norms`` on Triton against the float32 reference's four norms: every output,
     and dq, dk and both weights' gradients from output gradients on all four (as a layer's
     q and k each feed both branches). The two weights and eps differ, so a kernel that
@@ -106,6 +106,7 @@ def compare_qk(q: torch.Tensor, k: torch.Tensor, parts: int, out_tol: float,
     gen = torch.Generator().manual_seed(6)
     sub = q.shape[-1] // parts
     weights = [(torch.rand(sub, generator=gen) + 0.5).to(DEVICE) for _ in range(2)]
+    weights[0] = weights[0].to(q_weight_dtype)
     eps = (1e-5, 0.5)  # k's large enough to move every output
     inputs_t = [t.detach().clone().requires_grad_() for t in (q, k, *weights)]
     inputs_r = [t.detach().float().requires_grad_() for t in (q, k, *weights)]
@@ -156,6 +157,15 @@ def test_qk_norms_of_q_and_k_in_different_layouts_interpreted() -> None:
     q = heads_of_projection(2, 5, 3, 16, torch.float32, seed=9)
     k = (torch.randn(2, 5, 3, 16, generator=torch.Generator().manual_seed(10)) * 3).to(DEVICE)
     compare_qk(q, k, 2, 1e-6, 1e-5)
+
+
+def test_qk_norms_with_weights_of_two_dtypes_interpreted() -> None:
+    """q's weight in float16, k's in float32 (a model cast in part): neither is rounded to
+    the other's dtype, and each gradient comes back in its weight's dtype."""
+    q, k = q_and_k(2, 5, 3, 16, torch.float32, seed=12, strided=True)
+    # Outputs to float32's tolerance (k's weight rounded to float16 would miss it by far);
+    # the gradients to float16's, which q's weight gradient is returned in.
+    compare_qk(q, k, 2, 1e-6, 1e-3, q_weight_dtype=torch.float16)
 
 
 @pytest.mark.gpu

@@ -259,8 +259,11 @@ def qk_norms(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight:
         heads = (*q.shape[:-2], q.shape[-2] * parts, dim // parts)
         return (rms_norm(q.reshape(heads), q_weight, q_eps), l2_norm(q, l2_eps),
                 rms_norm(k.reshape(heads), k_weight, k_eps), l2_norm(k, l2_eps))
-    return _QKNorms.apply(q, k, q_weight, k_weight.to(q_weight.dtype), parts, q_eps, k_eps,
-                          l2_eps)
+    if q_weight.dtype != k_weight.dtype:
+        # One kernel reads both weights through one pointer type; float32 holds either
+        # exactly, and autograd returns each gradient in its weight's own dtype.
+        q_weight, k_weight = q_weight.float(), k_weight.float()
+    return _QKNorms.apply(q, k, q_weight, k_weight, parts, q_eps, k_eps, l2_eps)
 
 
 @triton.jit
