@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from nats.evaluation.decode_benchmark import warm_decoder
+from nats.evaluation.kernel_profile import kernel_profile, print_kernels
 from nats.evaluation.model_bench import default_config, variant_model, variants
 from nats.model import NatsForCausalLM
 
@@ -36,31 +36,9 @@ STEPS = 16
 def profile_steps(model: NatsForCausalLM, context: int, device: torch.device,
                   steps: int = STEPS) -> dict[str, Any]:
     """Kernel time (µs) and launches a step over ``steps`` steps, in total and by kernel."""
-    cuda = device.type == "cuda"
-    step, cache = warm_decoder(model, context, device, graphed=cuda)
-    if cuda:
-        torch.cuda.synchronize()
-    activity = torch.profiler.ProfilerActivity.CUDA if cuda \
-        else torch.profiler.ProfilerActivity.CPU
-    with torch.profiler.profile(activities=[activity]) as prof:
-        for _ in range(steps):
-            step()
-        if cuda:
-            torch.cuda.synchronize()
-    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
-    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for event in prof.events():
-        if event.device_type == kind:
-            # Self time on the CPU, where operators nest; a kernel's own on the GPU.
-            spent = event.device_time if cuda else event.self_cpu_time_total
-            by_name[event.name][0] += spent
-            by_name[event.name][1] += 1
-    kernels = sorted(({"name": name, "us_per_step": t / steps, "launches_per_step": n / steps}
-                      for name, (t, n) in by_name.items()), key=lambda k: -k["us_per_step"])
+    step, cache = warm_decoder(model, context, device, graphed=device.type == "cuda")
     return {"context": context, "kv_bytes": cache.kv_bytes(),
-            "us_per_step": sum(k["us_per_step"] for k in kernels),
-            "launches_per_step": sum(k["launches_per_step"] for k in kernels),
-            "kernels": kernels}
+            **kernel_profile(step, steps, device)}
 
 
 def main() -> None:
@@ -83,11 +61,9 @@ def main() -> None:
             with torch.no_grad():
                 figures = profile_steps(model, context, device)
             report["forms"].setdefault(variant.name, []).append(figures)
-            print(f"{variant.name} at {context}: {figures['us_per_step']:.0f} us of kernel "
-                  f"time and {figures['launches_per_step']:.0f} launches a step", flush=True)
-            for k in figures["kernels"][:25]:
-                print(f"  {k['us_per_step']:8.1f} us {k['launches_per_step']:6.1f} x  "
-                      f"{k['name'][:90]}", flush=True)
+            print(f"{variant.name} at {context}: {figures['us_per_call']:.0f} us of kernel "
+                  f"time and {figures['launches_per_call']:.0f} launches a step", flush=True)
+            print_kernels(figures["kernels"][:25])
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
