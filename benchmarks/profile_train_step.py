@@ -52,16 +52,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="the figures as JSON")
     args = parser.parse_args()
     device = torch.device(DEVICE)
-    config = default_config(device.type)
+    try:
+        config = default_config(device.type, train_lens=args.lengths or None)
+    except ValueError as error:
+        raise SystemExit(f"profile_train_step.py: {error}") from None
     graphed = device.type == "cuda" and not args.eager
-    lengths = args.lengths or list(config.train_lens)
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "cuda_graph": graphed, "steps": STEPS, "train_tokens": config.train_tokens,
         "forms": {}, "difference": {}}
-    for length in lengths:
-        if config.train_tokens < length:
-            raise SystemExit(f"length {length} exceeds the {config.train_tokens} tokens a step")
+    for length in config.train_lens:
         forms = {}
         for variant in [v for form in FORMS for v in variants(config)
                         if v.name.startswith(form)]:

@@ -115,9 +115,10 @@ class ModelBenchConfig:
         if self.n_heads * self.head_dim != self.d_model or self.head_dim % 2:
             raise ValueError(f"n_heads x head_dim must be d_model ({self.n_heads} x "
                              f"{self.head_dim} != {self.d_model}) with an even head_dim")
-        if self.train_lens and min(self.train_lens) > self.train_tokens:
+        if self.train_lens and max(self.train_lens) > self.train_tokens:
+            # A longer length would train on a batch of no sequences.
             raise ValueError(f"--train-tokens {self.train_tokens} holds no sequence of "
-                             f"{min(self.train_lens)} tokens")
+                             f"{max(self.train_lens)} tokens")
 
     def model_config(self, layer_types: tuple[str, ...]) -> NatsConfig:
         return NatsConfig(vocab_size=self.vocab_size, d_model=self.d_model,

@@ -101,6 +101,8 @@ def test_the_command_and_its_refusals(tmp_path: Path, capsys) -> None:
     assert "device 'bogus' is invalid" in capsys.readouterr().err
     assert main([*args, "--out", str(tmp_path)]) == 2  # before measuring
     assert f"--out {tmp_path} is a folder" in capsys.readouterr().err
+    assert main([*args, "--train-lens", "32", "64"]) == 2  # every length fills a step
+    assert "--train-tokens 32 holds no sequence of 64 tokens" in capsys.readouterr().err
     assert main([*args, "--train-lens", "--prefill-lens", "--decode-contexts"]) == 2
     assert "nothing to measure" in capsys.readouterr().err
     assert main(["bench", "decode", "--steps", "0"]) == 2
