@@ -249,15 +249,30 @@ def train_step_row(model: NatsForCausalLM, config: ModelBenchConfig, length: int
     return row
 
 
+def prefill_call(model: NatsForCausalLM, ids: torch.Tensor, cuda_graph: bool = False,
+                 ) -> Callable[[], object]:
+    """A function that prefills ``ids`` (no gradient, bf16 autocast on a GPU; the cache
+    built), replayed from a CUDA graph after its first call with ``cuda_graph``."""
+    model.eval()
+    prefill = GraphedPrefill(model) if cuda_graph else model.prefill
+    autocast = _autocast(ids.device)
+
+    def call() -> object:
+        with torch.no_grad(), autocast:
+            return prefill(ids)
+
+    return call
+
+
 def prefill_row(model: NatsForCausalLM, config: ModelBenchConfig, length: int,
                 device: torch.device) -> dict[str, Any]:
+    """Median ms of a batch-1 prefill of ``length`` tokens (:func:`prefill_call`) and the
+    softmax fraction the forced routes made of it."""
     ids = torch.randint(0, config.vocab_size, (1, length), device=device)
-    model.eval()
-    prefill = GraphedPrefill(model) if config.cuda_graph else model.prefill
+    prefill = prefill_call(model, ids, config.cuda_graph)
+    row: dict[str, Any] = {"ms": median_ms(prefill, device, warmup=1, repeats=config.repeats),
+                           "cuda_graph": config.cuda_graph}
     with torch.no_grad(), _autocast(device):
-        row: dict[str, Any] = {"ms": median_ms(lambda: prefill(ids), device, warmup=1,
-                                               repeats=config.repeats),
-                               "cuda_graph": config.cuda_graph}
         fractions = [f.mean().item() for f in model(ids).attn_frac if f is not None]
     if fractions:  # what the forced routes made of this length (token-weighted)
         row["softmax_fraction"] = sum(fractions) / len(fractions)
