@@ -166,7 +166,7 @@ class PendingNatsCache:
 
     The store needs a slot per softmax chunk of the head with the most, a count on the
     GPU. So the prefill leaves every head's finished chunks sorted, its softmax ones
-    first in chunk order (``sorted_k/v`` ``[B, H, r, N, C, D]``), and :meth:`finish`,
+    first in chunk order (``sorted_k/v`` ``[B, H, N, C, r, D]``), and :meth:`finish`,
     once the count is on the host, copies the first ones out with room to grow: one copy
     per tensor, few host operations. A CUDA graph records all the rest, and the host
     finishes after each replay (:class:`nats.cuda_graph.GraphedPrefill`, which reads
@@ -197,7 +197,7 @@ class PendingNatsCache:
         slots = filled + max(1, filled // 4)
 
         def store(sorted_chunks: torch.Tensor) -> torch.Tensor:
-            kept = sorted_chunks[:, :, :, :filled]
+            kept = sorted_chunks[:, :, :filled].permute(0, 1, 4, 2, 3, 5)  # [B, H, r, M, C, D]
             return F.pad(kept, (0, 0, 0, 0, 0, slots - kept.shape[3]))
 
         made = NatsLayerCache(**self.parts, store_k=store(self.sorted_k),

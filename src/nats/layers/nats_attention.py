@@ -320,12 +320,11 @@ class NatsAttention(nn.Module):
         at = order.permute(0, 2, 1)[..., None, None, None]  # [B, H, done, 1, 1, 1]
 
         def sort(t: torch.Tensor) -> torch.Tensor:
+            # In the keys' own order within a chunk ([C, r, D]), so that both the reads and
+            # the writes are runs of r * D; the finish moves r out as it copies.
             d = t.shape[-1]
             chunks = t[:, : done * c].reshape(batch, done, c, h, r, d).permute(0, 3, 1, 2, 4, 5)
-            out = t.new_empty(batch, h, r, done, c, d)
-            torch.gather(chunks, 2, at.expand(-1, -1, -1, c, r, d),
-                         out=out.permute(0, 1, 3, 4, 2, 5))
-            return out
+            return torch.gather(chunks, 2, at.expand(-1, -1, -1, c, r, d))
 
         most, copied = counts.max(), None
         if most.is_cuda and not torch.cuda.is_current_stream_capturing():
