@@ -160,52 +160,6 @@ class NatsLayerCache(_Buffers):
             self.store_k, self.store_v = F.pad(self.store_k, grow), F.pad(self.store_v, grow)
 
 
-@dataclass
-class PendingNatsCache:
-    """A NAtS-L layer's cache after a prompt, before the host knows its store's size.
-
-    The store needs a slot per softmax chunk of the head with the most, a count on the
-    GPU. So the prefill leaves every head's finished chunks sorted, its softmax ones
-    first in chunk order (``sorted_k/v`` ``[B, H, N, C, r, D]``), and :meth:`finish`,
-    once the count is on the host, copies the first ones out with room to grow: one copy
-    per tensor, few host operations. A CUDA graph records all the rest, and the host
-    finishes after each replay (:class:`nats.cuda_graph.GraphedPrefill`, which reads
-    every layer's count in one transfer).
-    """
-
-    parts: dict[str, torch.Tensor | int]
-    """The :class:`NatsLayerCache` fields that are not the store's."""
-    sorted_k: torch.Tensor
-    sorted_v: torch.Tensor
-    store_len: torch.Tensor
-    most: torch.Tensor
-    """The most softmax chunks of any head: on the device, or its (pinned) host copy."""
-    copied: torch.cuda.Event | None = None
-    """Recorded once ``most``'s host copy is complete, where it is an asynchronous one."""
-
-    def finish(self, own: bool = False, most: int | None = None) -> NatsLayerCache:
-        """The cache; ``most`` the count where the caller has read it. With ``own``, it
-        shares no memory with the prefill's tensors (a graph's replay refills those).
-        Slots past a head's count hold keys that decoding never reads; the store keeps
-        room for a quarter more chunks: full, the first chunk closed after the prompt
-        would move it, and a graphed decoder would capture its step again."""
-        if most is None:
-            if self.copied is not None:
-                self.copied.synchronize()
-            most = int(self.most)
-        filled = max(most, 1)
-        slots = filled + max(1, filled // 4)
-
-        def store(sorted_chunks: torch.Tensor) -> torch.Tensor:
-            kept = sorted_chunks[:, :, :filled].permute(0, 1, 4, 2, 3, 5)  # [B, H, r, M, C, D]
-            return F.pad(kept, (0, 0, 0, 0, 0, slots - kept.shape[3]))
-
-        made = NatsLayerCache(**self.parts, store_k=store(self.sorted_k),
-                              store_v=store(self.sorted_v), store_len=self.store_len,
-                              most_filed=most)
-        return made.cloned([*self.parts, "store_len"]) if own else made
-
-
 LayerCache = SoftmaxLayerCache | LinearLayerCache | NatsLayerCache
 
 

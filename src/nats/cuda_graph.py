@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from .cache import HybridCache, PendingNatsCache
+from .cache import HybridCache
 from .layers.routing import RouteOverride
 
 if TYPE_CHECKING:  # the model imports this module
@@ -129,14 +129,6 @@ class GraphedDecoder:
         self.model.decode_advance(self.cache)
         return captured.logits.clone()
 
-    def _record(self, ids: torch.Tensor,
-                ) -> tuple[torch.Tensor, list[PendingCache], torch.Tensor | None]:
-        """The prefill's device work, NAtS-L caches left pending, with their stores' sizes
-        gathered in one tensor: a replay's host finish then waits on one transfer."""
-        logits, caches = self.model.prefill_compute(ids, finish=False)
-        most = [c.most for c in caches if isinstance(c, PendingNatsCache)]
-        return logits, caches, torch.stack(most) if most else None
-
     def _eager_then_capture(self, token: torch.Tensor, plan: tuple[bool, ...]) -> torch.Tensor:
         # The warm-up is this token's real work; the capture records the same plan's work
         # before the bookkeeping moves the cache on, which follows the warm-up even if the
@@ -165,15 +157,14 @@ class GraphedDecoder:
 
 @dataclass
 class _CapturedPrefill:
-    """One prompt shape's graph, the ids it reads, the logits and layer caches (NAtS-L's
-    pending) it fills, the pending stores' sizes in one tensor, and what it was captured
-    with: the model's parameters and buffers (where they are) and its route overrides."""
+    """One prompt shape's graph, the ids it reads, the logits and layer caches (or their
+    finishers) it fills, and what it was captured with: the model's parameters and
+    buffers (where they are) and its route overrides."""
 
     graph: torch.cuda.CUDAGraph
     ids: torch.Tensor
     logits: torch.Tensor
     caches: list[PendingCache]
-    most: torch.Tensor | None
     bound_to: Signature
     overrides: tuple[RouteOverride, ...]
 
@@ -186,8 +177,8 @@ class GraphedPrefill:
     parameters moved or a NAtS-L layer's route override changed, runs eagerly (which also
     compiles and tunes every kernel) and captures the prefill's device work; later prompts
     of that shape replay it. After a replay the host finishes the cache: it reads the
-    NAtS-L stores' sizes (one transfer, where the eager prefill waits once a layer),
-    copies each store's filled slots and the rest out of the graph's memory. Each shape's
+    NAtS-L stores' sizes (one wait for the GPU, where the eager prefill waits once a
+    layer), packs the stores and copies the rest out of the graph's memory. Each shape's
     graph keeps the memory its prefill peaked at until :meth:`clear`.
     """
 
@@ -223,17 +214,8 @@ class GraphedPrefill:
             return self._eager_then_capture(key, input_ids)
         captured.ids.copy_(input_ids)
         captured.graph.replay()
-        most = None if captured.most is None else captured.most.tolist()
-        cache = self.model.prompt_cache(captured.caches, input_ids, own=True, most=most)
+        cache = self.model.prompt_cache(captured.caches, input_ids, own=True)
         return captured.logits.clone(), cache
-
-    def _record(self, ids: torch.Tensor,
-                ) -> tuple[torch.Tensor, list[PendingCache], torch.Tensor | None]:
-        """The prefill's device work, NAtS-L caches left pending, with their stores' sizes
-        gathered in one tensor: a replay's host finish then waits on one transfer."""
-        logits, caches = self.model.prefill_compute(ids, finish=False)
-        most = [c.most for c in caches if isinstance(c, PendingNatsCache)]
-        return logits, caches, torch.stack(most) if most else None
 
     def _eager_then_capture(self, key: tuple, input_ids: torch.Tensor,
                             ) -> tuple[torch.Tensor, HybridCache]:
@@ -248,10 +230,11 @@ class GraphedPrefill:
                                   enabled=torch.is_autocast_enabled("cuda"),
                                   cache_enabled=False)
         with uncached:
-            warm, graph, (logits, caches, most) = warm_then_capture(
-                lambda: self.model.prefill(input_ids), lambda: self._record(fixed_ids),
+            warm, graph, (logits, caches) = warm_then_capture(
+                lambda: self.model.prefill(input_ids),
+                lambda: self.model.prefill_compute(fixed_ids, finish=False),
                 input_ids.device)
-        self.graphs[key] = _CapturedPrefill(graph, fixed_ids, logits, caches, most,
+        self.graphs[key] = _CapturedPrefill(graph, fixed_ids, logits, caches,
                                             self._bound_to(), overrides)
         self.captures += 1
         return warm

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save
 from torch import nn
 
 from .atomic_write import atomic_write_bytes
-from .cache import HybridCache, LayerCache, PendingNatsCache
+from .cache import HybridCache, LayerCache
 from .config import HF_KEYS, NatsConfig
 from .generation import generate
 from .layers.linear_layer import LinearLayer
@@ -110,15 +110,16 @@ class CausalLMOutput:
     routable_frac: list[torch.Tensor | None] = field(default_factory=list)
 
 
-PendingCache = LayerCache | PendingNatsCache
-"""A layer's prefill cache, or a NAtS-L one still to finish (``NatsAttention.prefill``)."""
+PendingCache = LayerCache | Callable[[bool], LayerCache]
+"""A layer's prefill cache, or a finisher that returns it (``NatsAttention.prefill``)."""
 
 
 def finished(cache: PendingCache, own: bool = False) -> LayerCache:
-    """A layer's prefill cache, finished where it is pending; with ``own``, a cache that
-    shares no memory with the prefill's tensors (a CUDA graph's replay refills those)."""
-    if isinstance(cache, PendingNatsCache):
-        return cache.finish(own)
+    """A layer's prefill cache, or what its finisher returns; with ``own``, a cache that
+    shares no memory with the prefill's tensors (a CUDA graph's replay refills those), of
+    which a finisher copies only what it did not make itself."""
+    if callable(cache):
+        return cache(own)
     return cache.cloned() if own else cache
 
 
@@ -228,16 +229,12 @@ class NatsForCausalLM(nn.Module):
 
     @staticmethod
     def prompt_cache(caches: list[PendingCache], input_ids: torch.Tensor, own: bool = False,
-                     most: Sequence[int] | None = None) -> HybridCache:
+                     ) -> HybridCache:
         """The whole model's cache after the prompt ``input_ids`` from its layers' (with
-        ``own``, sharing no memory with them: :func:`finished`); ``most``, where the
-        caller read them, the pending layers' store sizes in order."""
+        ``own``, sharing no memory with them: :func:`finished`)."""
         position = input_ids.shape[1]
-        sizes = iter(most or ())
-        layers = [cache.finish(own, next(sizes, None)) if isinstance(cache, PendingNatsCache)
-                  else finished(cache, own) for cache in caches]
         return HybridCache(
-            layers=layers, position=position,
+            layers=[finished(cache, own) for cache in caches], position=position,
             # Filled on the device: a tensor made from the host value is a blocking copy.
             position_t=torch.full((), position, device=input_ids.device))
 

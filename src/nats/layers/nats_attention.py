@@ -10,13 +10,14 @@ softmax head by learned weights.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nats.cache import NatsLayerCache, PendingNatsCache
+from nats.cache import NatsLayerCache
 from nats.config import NatsConfig
 from nats.kernels import (
     SOFTMAX,
@@ -225,11 +226,11 @@ class NatsAttention(nn.Module):
         return y, routing
 
     def prefill(self, x: torch.Tensor,
-                ) -> tuple[torch.Tensor, LayerRouting, PendingNatsCache]:
-        """Like forward, plus the cache after ``x``, to finish once the next layer's work
-        is queued: the key/value store is sized by the most softmax chunks of any head, a
-        number that must reach the host, and waiting for it at once would idle the GPU
-        while the host catches up (:meth:`NatsForCausalLM.prefill`)."""
+                ) -> tuple[torch.Tensor, LayerRouting, Callable[[], NatsLayerCache]]:
+        """Like forward, plus the cache after ``x`` as a finisher to call once the next
+        layer's work is queued: the key/value store is sized by the most softmax chunks of
+        any head, a number that must reach the host, and waiting for it at once would idle
+        the GPU while the host catches up (:meth:`NatsForCausalLM.prefill`)."""
         qkv, conv = self.qkv.prefill(x)
         return self._parallel(x, qkv, cache_conv=conv)
 
@@ -252,13 +253,20 @@ class NatsAttention(nn.Module):
         else:
             o_la, state, snapshot = linear_out
             done = seq_len // c * c  # tokens in finished chunks
+            store = self._pack_store(ks, vs, routes, done // c)
             parts = dict(
                 conv=cache_conv, state=state.contiguous(),
                 snapshot=snapshot.to(state.dtype, copy=True),
                 chunk_log_decay=gates.g[:, done:].sum(1), chunk_k=self._open_chunk(ks, done),
                 chunk_v=self._open_chunk(vs, done), open_len=seq_len - done,
                 pool_sum=upcast(x[:, done:]).sum(1), pool_max=self._open_max(x, done))
-            cache = self._pending_cache(ks, vs, routes, done // c, parts)
+
+            def cache(own: bool = False) -> NatsLayerCache:
+                # The packed store and its length are new tensors; the parts are not.
+                store_k, store_v, store_chunks, most = store()
+                made = NatsLayerCache(**parts, store_k=store_k, store_v=store_v,
+                                      store_len=store_chunks * c, most_filed=most)
+                return made.cloned(parts) if own else made
         routing = LayerRouting(routes=routes, probs=decided.probs, attn_frac=decided.attn_frac,
                                reg=cfg.reg_lambda * decided.reg,
                                routable_frac=decided.routable_frac)
@@ -304,35 +312,58 @@ class NatsAttention(nn.Module):
             return upcast(x[:, 0]).new_full((x.shape[0], x.shape[2]), -math.inf)
         return upcast(x[:, done:]).amax(1)
 
-    def _pending_cache(self, ks: torch.Tensor, vs: torch.Tensor, routes: torch.Tensor,
-                       done: int, parts: dict[str, torch.Tensor | int]) -> PendingNatsCache:
-        """The cache with the ``done`` finished chunks' keys/values sorted per head, its
-        softmax ones first in chunk order (:class:`PendingNatsCache`). The count the store
-        is sized by goes to the host without blocking, so the finisher waits for it only,
-        not for work queued after it; while a CUDA graph captures the prefill it stays on
-        the device, for the caller to read after a replay."""
+    def _pack_store(self, ks: torch.Tensor, vs: torch.Tensor, routes: torch.Tensor, done: int,
+                    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+        """Keys/values of the ``done`` finished softmax chunks, packed in order per head,
+        from a finisher: ``store_k, store_v`` ``[B, H, r, M, C, D]``, the real slot counts
+        ``[B, H]`` and their maximum; slots past a head's count hold stale data that
+        decoding never reads. The finisher waits only for the store's size (the most
+        softmax chunks of any head, copied to the host without blocking), not for work
+        queued after it. While a CUDA graph captures the prefill the size stays on the
+        device, and the finisher, called after a replay, reads it there
+        (:class:`nats.cuda_graph.GraphedPrefill`).
+        As the softmax layer's cache, the store keeps room for a quarter more chunks: full,
+        the first chunk closed after the prompt would move it, and a graphed decoder would
+        capture its step again.
+        """
         c, h, r = self.cfg.chunk_size, self.cfg.n_heads, self.cfg.softmax_heads_per_head
         batch = ks.shape[0]
+        if done == 0:  # a new empty store at each call, as a packed one is
+            kind = dict(dtype=ks.dtype, device=ks.device)
+            dk, dv = ks.shape[-1], vs.shape[-1]
+            return lambda: (torch.zeros(batch, h, r, 1, c, dk, **kind),
+                            torch.zeros(batch, h, r, 1, c, dv, **kind),
+                            torch.zeros(batch, h, dtype=torch.long, device=ks.device), 0)
         is_sm = routes[:, :done, :, SOFTMAX] > 0.5  # [B, done, H]
         counts = is_sm.sum(1)
         # Softmax chunks first, each group in chunk order: a stable sort on "is linear".
         order = torch.sort((~is_sm).int(), dim=1, stable=True).indices
-        at = order.permute(0, 2, 1)[..., None, None, None]  # [B, H, done, 1, 1, 1]
-
-        def sort(t: torch.Tensor) -> torch.Tensor:
-            # In the keys' own order within a chunk ([C, r, D]), so that both the reads and
-            # the writes are runs of r * D; the finish moves r out as it copies.
-            d = t.shape[-1]
-            chunks = t[:, : done * c].reshape(batch, done, c, h, r, d).permute(0, 3, 1, 2, 4, 5)
-            return torch.gather(chunks, 2, at.expand(-1, -1, -1, c, r, d))
-
-        most, copied = counts.max(), None
+        most = counts.max()
+        copied = None
         if most.is_cuda and not torch.cuda.is_current_stream_capturing():
             most = most.to("cpu", non_blocking=True)
             copied = torch.cuda.Event() if most.is_pinned() else None
             if copied is not None:
                 copied.record()
-        return PendingNatsCache(parts, sort(ks), sort(vs), counts * c, most, copied)
+
+        def pack(t: torch.Tensor, filled: int) -> torch.Tensor:
+            # Gathered straight into the store with its room: one copy of the keys.
+            d = t.shape[-1]
+            chunks = t[:, : done * c].reshape(batch, done, c, h, r, d).permute(0, 3, 1, 2, 4, 5)
+            idx = order[:, :filled].permute(0, 2, 1)[..., None, None, None]
+            idx = idx.expand(-1, -1, -1, c, r, d)
+            packed = t.new_empty(batch, h, r, filled + max(1, filled // 4), c, d)
+            torch.gather(chunks, 2, idx, out=packed[:, :, :, :filled].permute(0, 1, 3, 4, 2, 5))
+            packed[:, :, :, filled:].zero_()
+            return packed
+
+        def finish() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+            if copied is not None:
+                copied.synchronize()
+            filled = max(int(most), 1)
+            return pack(ks, filled), pack(vs, filled), counts, int(most)
+
+        return finish
 
     # -- decoding one token ----------------------------------------------------------------
 
