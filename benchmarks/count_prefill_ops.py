@@ -6,9 +6,13 @@ The model of ``nats bench model`` (width 768, heads of 128, chunks of 64) with `
 (default 2) as the transformer, the all-linear model and NAtS-L at forced softmax fractions
 0 and 0.25, prefilled with ``T`` tokens (default 128) after one warm-up prefill: the PyTorch
 operators dispatched (``TorchDispatchMode``, views included) and the Triton launches, in
-total and the most frequent of each. An eager prefill at batch 1 is host-bound
-(docs/BENCHMARKS.md, "Prefill replayed from a CUDA graph"), and these counts, not the
-CPU's speed, are what carries over from a CPU to a GPU's host.
+total and the most frequent of each; then the operators that finish the cache after a
+CUDA graph's replay (``prompt_cache(..., own=True)`` on the layers' pending caches, as
+:class:`nats.cuda_graph.GraphedPrefill` runs it after each replay), with the reads of a
+value read from a tensor among them (on a GPU, each a wait for it). An eager prefill at batch 1 is
+host-bound (docs/BENCHMARKS.md, "Prefill replayed from a CUDA graph"), a graphed one's
+finish all host work, and these counts, not the CPU's speed, are what carries over from a
+CPU to a GPU's host.
 """
 
 from __future__ import annotations
@@ -83,6 +87,15 @@ def main() -> None:
               f"layer, the embedding and head included)")
         print("  operators:", ", ".join(f"{k} {n}" for k, n in operators.counts.most_common(12)))
         print("  launches:", ", ".join(f"{k} {n}" for k, n in launches.most_common()))
+        # What a graphed prefill's replay leaves to the host: the cache finished and copied
+        # out of the graph's memory (nats.cuda_graph.GraphedPrefill).
+        _, pending = model.prefill_compute(ids, finish=False)
+        with _Operators() as finish:
+            model.prompt_cache(pending, ids, own=True)
+        ops = sum(finish.counts.values())
+        print(f"  finish after a replay: {ops} operators ({ops / args.layers:.1f} a layer), "
+              f"{finish.counts['aten._local_scalar_dense']} reads of a tensor's value:",
+              ", ".join(f"{k} {n}" for k, n in finish.counts.most_common(8)))
 
 
 if __name__ == "__main__":

@@ -346,22 +346,29 @@ class NatsAttention(nn.Module):
             if copied is not None:
                 copied.record()
 
-        def pack(t: torch.Tensor, filled: int) -> torch.Tensor:
+        # The finished chunks [B, H, done, C, r, D] and their order per head, as views made
+        # now: the finisher's host work is only what needs the size (after a graph's
+        # replay, all of it is on the host's clock).
+        at = order.permute(0, 2, 1)[..., None, None, None]
+        chunks = [t[:, : done * c].reshape(batch, done, c, h, r, t.shape[-1])
+                  .permute(0, 3, 1, 2, 4, 5) for t in (ks, vs)]
+
+        def pack(chunks: torch.Tensor, filled: int) -> torch.Tensor:
             # Gathered straight into the store with its room: one copy of the keys.
-            d = t.shape[-1]
-            chunks = t[:, : done * c].reshape(batch, done, c, h, r, d).permute(0, 3, 1, 2, 4, 5)
-            idx = order[:, :filled].permute(0, 2, 1)[..., None, None, None]
-            idx = idx.expand(-1, -1, -1, c, r, d)
-            packed = t.new_empty(batch, h, r, filled + max(1, filled // 4), c, d)
-            torch.gather(chunks, 2, idx, out=packed[:, :, :, :filled].permute(0, 1, 3, 4, 2, 5))
+            d = chunks.shape[-1]
+            packed = chunks.new_empty(batch, h, r, filled + max(1, filled // 4), c, d)
+            torch.gather(chunks, 2, at[:, :, :filled].expand(-1, -1, -1, c, r, d),
+                         out=packed[:, :, :, :filled].permute(0, 1, 3, 4, 2, 5))
             packed[:, :, :, filled:].zero_()
             return packed
 
         def finish() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
             if copied is not None:
                 copied.synchronize()
-            filled = max(int(most), 1)
-            return pack(ks, filled), pack(vs, filled), counts, int(most)
+            filed = int(most)  # one read: on the device after a replay, each is a wait
+            filled = max(filed, 1)
+            store_k, store_v = (pack(t, filled) for t in chunks)
+            return store_k, store_v, counts, filed
 
         return finish
 
