@@ -176,9 +176,10 @@ class GraphedPrefill:
     The first prompt of each shape (and autocast state), and every one after the model's
     parameters moved or a NAtS-L layer's route override changed, runs eagerly (which also
     compiles and tunes every kernel) and captures the prefill's device work; later prompts
-    of that shape replay it. After a replay the host finishes the cache: it reads the
-    NAtS-L stores' sizes (one wait for the GPU, where the eager prefill waits once a
-    layer), packs the stores and copies the rest out of the graph's memory. Each shape's
+    of that shape replay it. After a replay the host finishes the cache: it reads each
+    NAtS-L store's size (a transfer a layer; only the first waits for the replay's work,
+    where the eager prefill may wait at each), packs the stores and copies the rest out of
+    the graph's memory. Each shape's
     graph keeps the memory its prefill peaked at until :meth:`clear`.
     """
 
