@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
+from torch import nn
 
 from .cache import HybridCache
 from .layers.routing import RouteOverride
@@ -60,6 +61,18 @@ Signature = list[tuple[int, torch.Size]]
 
 def _signature(tensors: Iterable[torch.Tensor]) -> Signature:
     return [(t.data_ptr(), t.shape) for t in tensors]
+
+
+def _module_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """Every parameter and buffer of ``module`` and its submodules, a shared one as often
+    as it is held: what ``parameters()`` and ``buffers()`` reach, without the names they
+    build, which were most of a replayed prefill's check of where its tensors are."""
+    tensors = [t for t in (*module._parameters.values(), *module._buffers.values())
+               if t is not None]
+    for child in module._modules.values():
+        if child is not None:
+            tensors += _module_tensors(child)
+    return tensors
 
 
 def _overrides(model: NatsForCausalLM) -> tuple[RouteOverride, ...]:
@@ -194,7 +207,7 @@ class GraphedPrefill:
         self.graphs.clear()
 
     def _bound_to(self) -> Signature:
-        return _signature((*self.model.parameters(), *self.model.buffers()))
+        return _signature(_module_tensors(self.model))
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, HybridCache]:

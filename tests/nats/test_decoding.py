@@ -286,6 +286,44 @@ def test_graphed_prefill_needs_a_gpu_and_eval_mode():
         GraphedPrefill(model.train())(torch.zeros(1, 3, dtype=torch.long))
 
 
+def test_a_graphed_prefill_sees_every_tensor_it_reads_move():
+    """A graphed prefill replays only while every parameter and buffer it captured stays
+    where it was: its check covers the tensors ``parameters()`` and ``buffers()`` reach,
+    holds while they change in place, and sees a tensor's data moved, a parameter, buffer
+    or submodule replaced, and a submodule added."""
+    from torch import nn
+
+    from nats.cuda_graph import GraphedPrefill, _module_tensors
+
+    model = tiny_model(("nats", "linear", "softmax"), tie_embeddings=True)
+    reached = {id(t) for t in (*model.parameters(), *model.buffers())}
+    assert {id(t) for t in _module_tensors(model)} == reached
+    prefill = GraphedPrefill(model)
+    bound = prefill._bound_to()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.01)
+    assert prefill._bound_to() == bound
+    block = model.blocks[0]
+    weight = block.mixer_norm.weight
+    changes = [
+        lambda: setattr(weight, "data", weight.data.clone()),
+        lambda: setattr(block.mixer_norm, "weight", nn.Parameter(weight.detach().clone())),
+        lambda: setattr(block.mixer.scorer, "proj", nn.Linear(block.mixer.scorer.proj.in_features,
+                                                             block.mixer.scorer.proj.out_features,
+                                                             bias=False)),
+        lambda: block.mixer.register_buffer("extra", torch.zeros(3)),
+        lambda: setattr(block.mixer, "extra", torch.ones(3)),
+        lambda: setattr(block, "extra", nn.Linear(2, 2)),
+    ]
+    for change in changes:
+        change()
+        assert prefill._bound_to() != bound
+        bound = prefill._bound_to()
+    assert {id(t) for t in _module_tensors(model)} \
+        == {id(t) for t in (*model.parameters(), *model.buffers())}
+
+
 @pytest.mark.parametrize("layer_types", [("nats", "linear", "softmax"), ("nats", "nats")])
 @pytest.mark.parametrize("chunks", [3.25, 2, 0.5], ids=["tail", "whole-chunks", "no-chunk"])
 def test_a_prefill_finished_by_the_caller_equals_prefill(layer_types, chunks):
