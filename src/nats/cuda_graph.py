@@ -192,8 +192,8 @@ class GraphedPrefill:
     of that shape replay it. After a replay the host finishes the cache: it reads each
     NAtS-L store's size (a transfer a layer; only the first waits for the replay's work,
     where the eager prefill may wait at each), packs the stores and copies the rest out of
-    the graph's memory. Each shape's
-    graph keeps the memory its prefill peaked at until :meth:`clear`.
+    the graph's memory. Each shape's graph keeps the memory its prefill peaked at until
+    :meth:`clear`.
     """
 
     def __init__(self, model: NatsForCausalLM) -> None:

@@ -350,8 +350,8 @@ class NatsAttention(nn.Module):
         # now: the finisher's host work is only what needs the size (after a graph's
         # replay, all of it is on the host's clock).
         at = order.permute(0, 2, 1)[..., None, None, None]
-        chunks = [t[:, : done * c].reshape(batch, done, c, h, r, t.shape[-1])
-                  .permute(0, 3, 1, 2, 4, 5) for t in (ks, vs)]
+        finished = [t[:, : done * c].reshape(batch, done, c, h, r, t.shape[-1])
+                    .permute(0, 3, 1, 2, 4, 5) for t in (ks, vs)]
 
         def pack(chunks: torch.Tensor, filled: int) -> torch.Tensor:
             # Gathered straight into the store with its room: one copy of the keys.
@@ -367,7 +367,7 @@ class NatsAttention(nn.Module):
                 copied.synchronize()
             filed = int(most)  # one read: on the device after a replay, each is a wait
             filled = max(filed, 1)
-            store_k, store_v = (pack(t, filled) for t in chunks)
+            store_k, store_v = (pack(chunks, filled) for chunks in finished)
             return store_k, store_v, counts, filed
 
         return finish
