@@ -8,11 +8,11 @@ The model of ``nats bench model`` (width 768, heads of 128, chunks of 64) with `
 operators dispatched (``TorchDispatchMode``, views included) and the Triton launches, in
 total and the most frequent of each; then the operators that finish the cache after a
 CUDA graph's replay (``prompt_cache(..., own=True)`` on the layers' pending caches, as
-:class:`nats.cuda_graph.GraphedPrefill` runs it after each replay), with the reads of a
-value read from a tensor among them (on a GPU, each a wait for it). An eager prefill at batch 1 is
-host-bound (docs/BENCHMARKS.md, "Prefill replayed from a CUDA graph"), a graphed one's
-finish all host work, and these counts, not the CPU's speed, are what carries over from a
-CPU to a GPU's host.
+:class:`nats.cuda_graph.GraphedPrefill` runs it after each replay), and how many of them
+read a tensor's value to the host (on a GPU, each a wait for it). An eager prefill at
+batch 1 is host-bound (docs/BENCHMARKS.md, "Prefill replayed from a CUDA graph"), a
+graphed one's finish all host work, and these counts, not the CPU's speed, are what
+carries over from a CPU to a GPU's host.
 """
 
 from __future__ import annotations

@@ -6,11 +6,12 @@ The model of ``nats bench model`` (12 layers, width 768, bf16 autocast) as NAtS-
 forced quarter softmax and the layer hybrid of the same share, each prefilling a prompt of
 ``LENGTH`` tokens (default 4096 and 32768) through :class:`nats.cuda_graph.GraphedPrefill`
 as ``nats bench model --cuda-graph`` does. After two calls (the capture, then a replay),
-three timings, each the median of :data:`REPEATS` calls timed on the host from an idle GPU
-to an idle GPU, and each taken twice in turn: the whole call (what ``nats bench model``
-times), the replay alone (the copy of the ids it reads, then the graph), and the finish
-alone (the cache built from the replay's outputs: the NAtS-L stores' sizes read, the stores
-packed, every other cache tensor copied out of the graph's memory). What the whole call
+three timings, each the median of :data:`REPEATS` calls after :data:`WARMUP`, timed on the
+host from an idle GPU to an idle GPU (:func:`nats.latency.median_ms`), and each taken twice
+in turn: the whole call (what ``nats bench model`` times), the replay alone (the copy of
+the ids it reads, then the graph), and the finish alone (the cache built from the replay's
+outputs: the NAtS-L stores' sizes read, the stores packed, every other cache tensor copied
+out of the graph's memory). What the whole call
 spends beyond the two is the logits' copy and the call's own host work.
 
 Compare forms within one run: the same code's whole call moves by several per cent from
@@ -21,33 +22,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from nats.cuda_graph import GraphedPrefill
 from nats.evaluation.model_bench import default_config, variant_model, variants
+from nats.latency import median_ms
 
 FORMS = ("nats@0.25", "layer-hybrid")
 """The forms timed: the token-level hybrid and the layer-level one of the same share."""
 LENGTHS = (4096, 32_768)
 REPEATS = 25
-
-
-def host_ms(fn: Callable[[], object]) -> float:
-    """Median ms of ``fn()`` from an idle GPU to an idle GPU, after five untimed calls."""
-    times = []
-    for i in range(REPEATS + 5):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        if i >= 5:
-            times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+WARMUP = 5
 
 
 def split(prefill: GraphedPrefill, ids: torch.Tensor) -> dict[str, list[float]]:
@@ -65,7 +52,8 @@ def split(prefill: GraphedPrefill, ids: torch.Tensor) -> dict[str, list[float]]:
     figures: dict[str, list[float]] = {name: [] for name in parts}
     for _ in range(2):
         for name, fn in parts.items():
-            figures[name].append(round(host_ms(fn), 3))
+            ms = median_ms(fn, ids.device, warmup=WARMUP, repeats=REPEATS)
+            figures[name].append(round(ms, 3))
     return figures
 
 
